@@ -1,0 +1,265 @@
+"""DiLoCo and parameter averaging as Optax gradient transformations.
+
+Every worker runs the inner optimizer on its own data. Every ``sync_every``
+steps the workers average their pseudo-gradients ``anchor - local`` over the
+worker axis and one outer optimizer step moves the shared anchor; the local
+parameters are then reset to it. Between syncs nothing crosses workers.
+
+References:
+  Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen,
+  *DiLoCo: Distributed Low-Communication Training of Language Models*, 2023.
+  https://arxiv.org/abs/2311.08105
+
+  McMahan, Moore, Ramage, Hampson, Agüera y Arcas, *Communication-Efficient
+  Learning of Deep Networks from Decentralized Data* (FedAvg), 2017.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
+
+
+class DilocoState(NamedTuple):
+  """State of :func:`diloco` (one worker's copy).
+
+  Attributes:
+    inner_state: the inner optimizer's state, never averaged or reset.
+    anchor: the outer parameters ``phi`` (same tree as the params; dtype
+      ``promote_types(param dtype, anchor_dtype)``, fp32 by default).
+    outer_state: the outer optimizer's state, over ``anchor``.
+    count: int32 scalar, inner steps taken.
+    steps_since_sync: int32 scalar, inner steps since the last sync.
+    num_syncs: int32 scalar, syncs done (a diagnostic for the loop).
+  """
+
+  inner_state: optax.OptState
+  anchor: optax.Params
+  outer_state: optax.OptState
+  count: jax.Array
+  steps_since_sync: jax.Array
+  num_syncs: jax.Array
+
+
+def _check_sync_every(sync_every: SyncEvery) -> None:
+  """Validates a concrete sync period; traced values (inject_hyperparams)
+  and schedules are checked where they are used."""
+  if callable(sync_every) or isinstance(sync_every, jax.core.Tracer):
+    return
+  if isinstance(sync_every, bool):
+    raise TypeError(f'sync_every must be an int or a schedule, got {sync_every!r}')
+  value = np.asarray(sync_every)
+  if value.ndim or not np.issubdtype(value.dtype, np.integer):
+    raise TypeError(
+        f'sync_every must be an int or a schedule, got {sync_every!r}'
+    )
+  if int(value) <= 0:
+    raise ValueError(f'sync_every must be a positive int, got {int(value)}')
+
+
+def sync_period(sync_every: SyncEvery, count: jax.Array) -> jax.Array:
+  """The sync period H in force at inner step ``count`` (int32)."""
+  if callable(sync_every):
+    return jnp.maximum(jnp.asarray(sync_every(count), jnp.int32), 1)
+  return jnp.asarray(sync_every, jnp.int32)
+
+
+def nesterov_outer(
+    learning_rate: float = 0.7, momentum: float = 0.9
+) -> optax.GradientTransformation:
+  """The DiLoCo outer optimizer: SGD with Nesterov momentum (lr 0.7, mu 0.9).
+
+  ``v <- mu v + g;  phi <- phi - lr (g + mu v)``, as ``optax.sgd(...,
+  nesterov=True)``.
+  """
+  return optax.sgd(learning_rate, momentum=momentum, nesterov=True)
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: SyncEvery,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
+
+  On every step the inner optimizer produces an update from this worker's
+  gradient. On a sync step (every ``H = sync_every`` inner steps) the worker
+  also forms the local parameters the inner update would give,
+  ``theta' = theta + u``, and
+
+  .. math::
+
+    \Delta = \operatorname{mean}_{workers}(\phi - \theta'), \quad
+    \phi \leftarrow \phi + \mathrm{outer}(\Delta), \quad
+    \theta \leftarrow \phi .
+
+  The pseudo-gradient :math:`\Delta` is a descent direction and is handed to
+  the outer optimizer as its gradient. The returned update is
+  :math:`\phi_{new} - \theta`, so ``optax.apply_updates`` lands on the new
+  anchor (within one rounding of ``theta + (phi - theta)``). The inner state
+  is kept across syncs.
+
+  The mean over workers is a ``jax.lax.pmean`` over ``axis_name``: run the
+  transform under ``jax.vmap(..., axis_name=...)`` or ``jax.shard_map`` over
+  that axis (see ``loc_opt.parallel``); ``axis_name=None`` means one worker.
+
+  Which steps sync is decided by the state's counter with ``lax.cond``, or
+  fixed at trace time with the keyword-only extra argument ``sync``:
+  ``update(..., sync=False)`` traces the inner step alone (a program with no
+  cross-worker collective) and ``sync=True`` the sync step. A loop that picks
+  between the two compiled programs must pass ``sync=True`` exactly on the
+  steps where ``steps_since_sync + 1 == H``.
+
+  Args:
+    inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
+      args.
+    sync_every: the sync period H (a positive int) or a schedule
+      ``count -> H``.
+    outer: the outer optimizer, fed the averaged pseudo-gradient (default:
+      :func:`nesterov_outer`, SGD lr 0.7 with Nesterov momentum 0.9). Do not
+      add weight decay here.
+    axis_name: the worker axis to average over; ``None`` for one worker.
+    anchor_dtype: the minimum precision of the anchor and its outer state
+      (fp32 by default, so bf16 parameters keep an fp32 anchor).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import optax, loc_opt
+    >>> tx = loc_opt.diloco(optax.adamw(4e-4), sync_every=100)
+
+  References:
+    Douillard et al., *DiLoCo: Distributed Low-Communication Training of
+    Language Models*, 2023.
+  """
+  _check_sync_every(sync_every)
+  inner = optax.with_extra_args_support(inner)
+  outer = nesterov_outer() if outer is None else outer
+
+  def init_fn(params):
+    anchor = jax.tree.map(
+        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
+        params,
+    )
+    zero = jnp.zeros([], jnp.int32)
+    return DilocoState(
+        inner_state=inner.init(params),
+        anchor=anchor,
+        outer_state=outer.init(anchor),
+        count=zero,
+        steps_since_sync=zero,
+        num_syncs=zero,
+    )
+
+  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+    if params is None:
+      raise ValueError('diloco needs params: call update(updates, state, '
+                       'params)')
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args
+    )
+
+    def outer_step(_):
+      local = optax.apply_updates(params, inner_updates)
+      delta = jax.tree.map(
+          lambda a, x: a - x.astype(a.dtype), state.anchor, local
+      )
+      if axis_name is not None:
+        delta = jax.lax.pmean(delta, axis_name)
+      outer_updates, outer_state = outer.update(
+          delta, state.outer_state, state.anchor
+      )
+      anchor = optax.apply_updates(state.anchor, outer_updates)
+      new_updates = jax.tree.map(
+          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params
+      )
+      return new_updates, anchor, outer_state, jnp.ones([], jnp.int32)
+
+    def inner_only(_):
+      return (inner_updates, state.anchor, state.outer_state,
+              jnp.zeros([], jnp.int32))
+
+    if sync is None:
+      due = state.steps_since_sync + 1 >= sync_period(sync_every, state.count)
+      out = jax.lax.cond(due, outer_step, inner_only, None)
+    elif sync:
+      out = outer_step(None)
+    else:
+      out = inner_only(None)
+    new_updates, anchor, outer_state, synced = out
+    new_state = DilocoState(
+        inner_state=inner_state,
+        anchor=anchor,
+        outer_state=outer_state,
+        count=optax.safe_increment(state.count),
+        steps_since_sync=jnp.where(
+            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
+        ).astype(jnp.int32),
+        num_syncs=state.num_syncs + synced,
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def local_sgd(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: SyncEvery,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
+
+  The outer-SGD case of :func:`diloco` with learning rate 1 and no momentum:
+  the new anchor is ``phi - mean(phi - theta') = mean(theta')``.
+
+  References:
+    McMahan et al., *Communication-Efficient Learning of Deep Networks from
+    Decentralized Data*, 2017; Stich, *Local SGD Converges Fast and
+    Communicates Little*, 2019.
+  """
+  return diloco(
+      inner,
+      sync_every=sync_every,
+      outer=optax.sgd(1.0),
+      axis_name=axis_name,
+      anchor_dtype=anchor_dtype,
+  )
+
+
+def diloco_eval_params(state: DilocoState, params: optax.Params) -> Any:
+  """The weights to evaluate: the outer parameters (anchor) in params dtypes.
+
+  Between syncs the workers' local parameters drift apart; the anchor is the
+  one shared model (Streaming DiLoCo, Table 3, finds it evaluates best).
+  """
+  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+
+
+def next_step_syncs(
+    sync_every: SyncEvery, count: int, steps_since_sync: int
+) -> bool:
+  """Host-side: whether the step after ``count`` inner steps is a sync step.
+
+  Loops that compile the inner and the sync step as two programs use this to
+  pick one without reading device memory.
+  """
+  period = int(sync_period(sync_every, jnp.asarray(count, jnp.int32)))
+  return steps_since_sync + 1 >= period
+
+
+def pseudo_gradient_bytes(params: Any, dtype: Any = jnp.float32) -> int:
+  """Bytes of one worker's pseudo-gradient payload at ``dtype`` per sync."""
+  size = sum(int(x.size) for x in jax.tree.leaves(params))
+  return size * jnp.dtype(dtype).itemsize
+

@@ -1,0 +1,10 @@
+"""Meshes with a worker axis, per-worker runners, and collective accounting."""
+
+from loc_opt.parallel.mesh import AXES
+from loc_opt.parallel.mesh import arrange_devices
+from loc_opt.parallel.mesh import devices_per_worker
+from loc_opt.parallel.mesh import make_worker_mesh
+from loc_opt.parallel.mesh import num_workers
+from loc_opt.parallel.mesh import WORKER
+from loc_opt.parallel.runners import shard_map_workers
+from loc_opt.parallel.runners import vmap_workers

@@ -1,0 +1,219 @@
+"""Tests of loc_opt.diloco: conformance, equivalences, analytic cases."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loc_opt
+from loc_opt import parallel
+from tests import optax_conformance as conf
+
+M = 4
+
+
+def make_diloco(learning_rate, sync_every=3):
+  return loc_opt.diloco(optax.adam(learning_rate), sync_every=sync_every,
+                        axis_name=None)
+
+
+def test_conformance(tmp_path):
+  conf.check_all(make_diloco, tmp_path)
+
+
+def test_conformance_sync_every_step(tmp_path):
+  conf.check_all(functools.partial(make_diloco, sync_every=1), tmp_path,
+                 inject=False)
+
+
+def test_inject_hyperparams_on_inner():
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  tx = loc_opt.diloco(inner, sync_every=10, axis_name=None)
+  params = conf.example_params()
+  state = tx.init(params)
+  grads = conf.example_grads(params, 0)
+  u1, _ = tx.update(grads, state, params)
+  state.inner_state.hyperparams['learning_rate'] = jnp.asarray(0.3)
+  u2, _ = tx.update(grads, state, params)
+  conf.assert_trees_close(jax.tree.map(lambda x: 3 * x, u1), u2)
+
+
+def stack(tree, m=M):
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
+
+
+def quad_loss(params, batch):
+  x, y = batch
+  pred = jnp.tanh(x @ params['w']) + params['b']
+  return jnp.mean((pred - y) ** 2)
+
+
+def worker_batches(step, m=M):
+  key = jax.random.fold_in(jax.random.key(42), step)
+  kx, ky = jax.random.split(key)
+  return (jax.random.normal(kx, (m, 8, 4)), jax.random.normal(ky, (m, 8, 3)))
+
+
+def run_workers(tx, steps, m=M, runner=None):
+  """Trains m workers with tx under vmap; returns (stacked params, state)."""
+
+  def step(params, state, batch):
+    grads = jax.grad(quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  runner = runner or parallel.vmap_workers
+  fn = jax.jit(runner(step))
+  params = stack(conf.example_params(), m)
+  state = jax.vmap(tx.init)(params)
+  for i in range(steps):
+    params, state = fn(params, state, worker_batches(i, m))
+  return params, state
+
+
+def test_one_worker_plain_outer_equals_inner_alone():
+  inner = optax.adam(1e-2)
+  tx = loc_opt.diloco(inner, sync_every=3, outer=optax.sgd(1.0))
+  got, state = run_workers(tx, 10, m=1)
+  want = conf.example_params()
+  inner_state = inner.init(want)
+  for i in range(10):
+    batch = jax.tree.map(lambda x: x[0], worker_batches(i, 1))
+    g = jax.grad(quad_loss)(want, batch)
+    u, inner_state = inner.update(g, inner_state, want)
+    want = optax.apply_updates(want, u)
+  conf.assert_trees_close(jax.tree.map(lambda x: x[0], got), want)
+  assert int(state.num_syncs[0]) == 3
+
+
+def test_plain_outer_is_parameter_averaging():
+  inner = optax.adam(1e-2)
+  tx = loc_opt.diloco(inner, sync_every=4, outer=optax.sgd(1.0))
+  got, _ = run_workers(tx, 4)
+  # Each worker alone for 4 steps, then average the parameters.
+  finals = []
+  for m in range(M):
+    p = conf.example_params()
+    s = inner.init(p)
+    for i in range(4):
+      batch = jax.tree.map(lambda x: x[m], worker_batches(i))
+      u, s = inner.update(jax.grad(quad_loss)(p, batch), s, p)
+      p = optax.apply_updates(p, u)
+    finals.append(p)
+  want = jax.tree.map(lambda *xs: sum(xs) / M, *finals)
+  for m in range(M):
+    conf.assert_trees_close(jax.tree.map(lambda x: x[m], got), want)
+  alias, _ = run_workers(loc_opt.local_sgd(inner, sync_every=4), 4)
+  conf.assert_trees_close(alias, got, rtol=0, atol=0)
+
+
+def test_sync_every_step_with_sgd_is_data_parallel_sgd():
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(1.0))
+  got, _ = run_workers(tx, 5)
+  want = conf.example_params()
+  for i in range(5):
+    grads = jax.vmap(jax.grad(quad_loss), in_axes=(None, 0))(
+        want, worker_batches(i))
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, want, mean)
+  for m in range(M):
+    conf.assert_trees_close(jax.tree.map(lambda x: x[m], got), want)
+
+
+def test_nesterov_outer_step_arithmetic():
+  # Inner SGD lr 1 on gradient 1 moves theta by -1, so delta = phi - theta' =
+  # +1 on every worker; from zero momentum the Nesterov step is
+  # -0.7 * (1 + 0.9 * 1) = -1.33.
+  tx = loc_opt.diloco(optax.sgd(1.0), sync_every=1)
+
+  def step(params, state):
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = stack({'w': jnp.zeros((3,))})
+  state = jax.vmap(tx.init)(params)
+  params, state = jax.jit(parallel.vmap_workers(step))(params, state)
+  np.testing.assert_allclose(params['w'], -1.33, rtol=1e-6)
+  np.testing.assert_allclose(state.anchor['w'], -1.33, rtol=1e-6)
+
+
+def test_pseudo_gradient_sign_moves_anchor_toward_workers():
+  tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3, outer=optax.sgd(0.5))
+  before = stack(conf.example_params())
+  local, _ = run_workers(loc_opt.diloco(optax.adam(1e-2), sync_every=10**6),
+                         3)
+  got, state = run_workers(tx, 3)
+  mean_local = jax.tree.map(lambda x: x.mean(0), local)
+  # lr 0.5: the anchor moves halfway from the start to the workers' mean.
+  want = jax.tree.map(lambda b, l: 0.5 * b[0] + 0.5 * l, before, mean_local)
+  conf.assert_trees_close(jax.tree.map(lambda x: x[0], got), want)
+  conf.assert_trees_close(jax.tree.map(lambda x: x[0], state.anchor), want)
+
+
+def test_workers_identical_after_sync_and_distinct_between():
+  tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
+  p2, _ = run_workers(tx, 2)
+  assert not np.allclose(p2['w'][0], p2['w'][1])
+  p3, _ = run_workers(tx, 3)
+  for m in range(1, M):
+    np.testing.assert_allclose(p3['w'][m], p3['w'][0], atol=1e-7)
+
+
+def test_static_sync_programs_equal_cond_program():
+  tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
+
+  def step(params, state, batch, sync):
+    grads = jax.grad(quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  programs = {s: jax.jit(parallel.vmap_workers(
+      functools.partial(step, sync=s), in_axes=(0, 0, 0)))
+              for s in (True, False)}
+  params = stack(conf.example_params())
+  state = jax.vmap(tx.init)(params)
+  for i in range(7):
+    sync = loc_opt.outer.next_step_syncs(3, i, i % 3)
+    params, state = programs[sync](params, state, worker_batches(i))
+  want, want_state = run_workers(tx, 7)
+  conf.assert_trees_close(params, want, rtol=0, atol=0)
+  assert int(state.num_syncs[0]) == int(want_state.num_syncs[0]) == 2
+
+
+def test_sync_every_schedule_equals_int():
+  a, _ = run_workers(loc_opt.diloco(optax.adam(1e-2), sync_every=2), 6)
+  b, _ = run_workers(
+      loc_opt.diloco(optax.adam(1e-2), sync_every=lambda count: 2), 6)
+  conf.assert_trees_close(a, b, rtol=0, atol=0)
+
+
+def test_shard_map_runner_matches_vmap_runner():
+  mesh = parallel.make_worker_mesh(M, data=2)
+  tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
+  want, _ = run_workers(tx, 5)
+  got, state = run_workers(
+      tx, 5, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+  assert state.count.sharding.spec == jax.P('worker')
+
+
+def test_bf16_params_keep_fp32_anchor():
+  tx = make_diloco(1e-2)
+  state = tx.init(conf.example_params(jnp.bfloat16))
+  assert state.anchor['w'].dtype == jnp.float32
+
+
+@pytest.mark.parametrize('bad', [0, -3])
+def test_sync_every_must_be_positive(bad):
+  with pytest.raises(ValueError, match='sync_every'):
+    loc_opt.diloco(optax.sgd(0.1), sync_every=bad)
+
+
+@pytest.mark.parametrize('bad', [2.5, '10', True])
+def test_sync_every_must_be_int(bad):
+  with pytest.raises(TypeError, match='sync_every'):
+    loc_opt.diloco(optax.sgd(0.1), sync_every=bad)
