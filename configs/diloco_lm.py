@@ -1,0 +1,74 @@
+"""DiLoCo on the byte-level Transformer LM: 4 workers x 2 data-parallel devices.
+
+The default experiment. On a machine without accelerators it runs on 8
+virtual CPU devices, on text from the Python standard library, offline.
+
+Launch:
+  python -m experiments.train --config=configs/diloco_lm.py --workdir=DIR
+Override any field, e.g.:
+  python -m experiments.train --config=configs/diloco_lm.py --workdir=DIR \\
+    --config.outer.sync_every=50 --config.num_steps=400
+"""
+
+import ml_collections
+
+from loc_opt import data
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The DiLoCo LM config (``arg`` is unused)."""
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seed of the model initialisation and of the data order.
+  c.num_steps = 300  # Inner (optimizer) steps of every worker.
+  c.batch_size = 32  # Global sequences per step, split evenly over workers.
+  c.eval_batch_size = 32  # Sequences per evaluation batch.
+  c.eval_batches = 4  # Batches per evaluation (fixed validation set).
+  c.eval_every = 100  # Evaluate every this many steps (and at the end).
+  c.log_every = 10  # Write train metrics every this many steps.
+  c.checkpoint_every = 100  # Save a checkpoint every this many steps.
+  c.keep_checkpoints = 2  # How many checkpoints to keep.
+  c.progress = True  # Progress bar on a terminal / log lines elsewhere.
+  c.halt_after_steps = 0  # Stop after this many steps (simulated preemption).
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.workers = 4  # DiLoCo workers: the outermost mesh axis.
+  c.mesh.data = 2  # Data-parallel devices inside a worker.
+  c.mesh.fsdp = 1  # Devices a worker's parameters are sharded over.
+  c.mesh.tensor = 1  # Tensor-parallel devices inside a worker.
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = 'transformer'  # Registry name: 'transformer' or 'mlp'.
+  c.model.vocab_size = 256  # Byte-level vocabulary.
+  c.model.d_model = 128  # Residual width.
+  c.model.num_layers = 2  # Transformer blocks.
+  c.model.num_heads = 4  # Attention heads (d_model % num_heads == 0).
+  c.model.d_ff = 512  # Hidden width of the MLP.
+  c.model.max_len = 128  # Longest sequence the model accepts.
+  c.model.dtype = 'float32'  # Activation dtype.
+  c.model.param_dtype = 'float32'  # Parameter dtype.
+
+  # Data fields and their meaning: loc_opt.data.get_config().
+  c.data = data.get_config()
+  c.data.dataset = 'local_text'  # 'local_text' or a TFDS name in data_dir.
+  c.data.max_bytes = 8_000_000  # Cap on the stdlib corpus (bytes).
+  c.data.non_iid = False  # True: whole source files per worker.
+  c.data.seq_len = 128  # Bytes per training sequence.
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = 'adamw'  # Inner optimizer (loc_opt.inner.OPTIMIZERS).
+  c.optimizer.learning_rate = 3e-3  # Peak inner learning rate.
+  c.optimizer.schedule = 'warmup_cosine'  # loc_opt.schedules.SCHEDULES.
+  c.optimizer.schedule_kwargs = {'warmup_steps': 0.1,  # Warmup (fraction).
+                                 'end_value': 3e-4}  # Final learning rate.
+  c.optimizer.grad_clip_norm = 1.0  # Global-norm clip of inner grads.
+  c.optimizer.kwargs = {'b1': 0.9, 'b2': 0.95,  # Adam betas.
+                        'weight_decay': 0.1}  # Decoupled weight decay.
+
+  c.outer = ml_collections.ConfigDict()
+  c.outer.method = 'diloco'  # 'diloco', 'local_sgd' or 'data_parallel'.
+  c.outer.sync_every = 50  # H: inner steps between syncs.
+  c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD).
+  c.outer.momentum = 0.9  # Outer momentum.
+  c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.
+  return c

@@ -1,0 +1,60 @@
+"""Inner (per-worker) optimizers by name.
+
+Each entry maps a name to a factory ``(learning_rate, **hyperparams) ->
+GradientTransformation``. :func:`make_optimizer` adds global-norm gradient
+clipping (before the optimizer) and ``optax.inject_hyperparams`` so the
+learning rate is visible in the state for logging.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
+    'sgd': optax.sgd,
+    'momentum': lambda learning_rate, momentum=0.9, nesterov=False: optax.sgd(
+        learning_rate, momentum=momentum, nesterov=nesterov),
+    'adam': optax.adam,
+    'adamw': optax.adamw,
+    'lion': optax.lion,
+    'adafactor': optax.adafactor,
+}
+
+
+def make_optimizer(
+    name: str,
+    learning_rate: float | optax.Schedule,
+    *,
+    grad_clip_norm: float | None = None,
+    **hyperparams: Any,
+) -> optax.GradientTransformation:
+  """Builds the inner optimizer ``name`` from :data:`OPTIMIZERS`.
+
+  Args:
+    name: a key of :data:`OPTIMIZERS`.
+    learning_rate: a float or a schedule.
+    grad_clip_norm: clip gradients to this global norm first (None: off).
+    **hyperparams: passed to the factory (e.g. ``b2=0.95``,
+      ``weight_decay=0.1``).
+
+  Returns:
+    ``optax.chain(clip, inject_hyperparams(factory)(learning_rate, ...))``.
+
+  Raises:
+    ValueError: for an unknown name or a non-positive clip norm.
+  """
+  if name not in OPTIMIZERS:
+    raise ValueError(f'unknown optimizer {name!r} (field optimizer.name); '
+                     f'choose one of {sorted(OPTIMIZERS)}')
+  try:
+    tx = optax.inject_hyperparams(OPTIMIZERS[name])(
+        learning_rate=learning_rate, **hyperparams)
+  except TypeError as e:
+    raise ValueError(f'bad hyperparameters for optimizer {name!r}: {e}') from e
+  if grad_clip_norm is None or grad_clip_norm == 0:
+    return tx
+  if grad_clip_norm < 0:
+    raise ValueError(f'optimizer.grad_clip_norm must be > 0, got '
+                     f'{grad_clip_norm}')
+  return optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)

@@ -1,0 +1,189 @@
+"""End-to-end tests of the trainer: resume, communication, bad input."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs import diloco_lm
+from loc_opt import parallel
+from loc_opt import train
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import trainer as trainer_lib
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('tfds'))
+
+
+def tiny_config(data_dir, **overrides):
+  c = diloco_lm.get_config()
+  c.num_steps = 12
+  c.batch_size = 16
+  c.eval_batch_size = 16
+  c.eval_batches = 1
+  c.eval_every = 6
+  c.log_every = 2
+  c.checkpoint_every = 4
+  c.progress = False
+  c.model.d_model = 32
+  c.model.num_heads = 2
+  c.model.num_layers = 1
+  c.model.d_ff = 64
+  c.model.max_len = 32
+  c.data.seq_len = 32
+  c.data.max_bytes = 300_000
+  c.data.data_dir = data_dir
+  c.outer.sync_every = 4
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, tmp_path):
+  config = tiny_config(data_dir)
+  full = train.train_and_evaluate(config, tmp_path / 'full')
+
+  config.halt_after_steps = 7  # dies after step 7; last checkpoint at 4
+  part = train.train_and_evaluate(config, tmp_path / 'resumed')
+  assert part['step'] == 7 and not part['finished']
+  config.halt_after_steps = 0
+  resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
+  assert resumed['finished']
+
+  for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
+    np.testing.assert_array_equal(a, b)
+  for key in ('final_eval_loss', 'cross_worker_bytes', 'syncs'):
+    assert full[key] == resumed[key], key
+  steps = [r['step'] for r in train.read_metrics(tmp_path / 'resumed')]
+  assert steps == sorted(set(steps)) and steps[-1] == 12
+  # After the final sync the anchors agree bit for bit on every worker and
+  # the local parameters, reset through `theta + (phi - theta)`, agree to
+  # within one rounding.
+  state = full['state']
+  for a, x in zip(jax.tree.leaves(state['opt_state'].anchor),
+                  jax.tree.leaves(state['params'])):
+    for m in range(1, x.shape[0]):
+      np.testing.assert_array_equal(np.asarray(a[m]), np.asarray(a[0]))
+      np.testing.assert_allclose(np.asarray(x[m]), np.asarray(a[0]),
+                                 rtol=2e-7, atol=1e-9)
+  summary = json.loads((tmp_path / 'full' / 'summary.json').read_text())
+  assert summary['syncs'] == 3
+  assert summary['cross_worker_bytes'] == 3 * summary['bytes_per_sync_step']
+  assert summary['data_parallel_cross_worker_bytes'] > \
+      3 * summary['cross_worker_bytes']
+  assert (tmp_path / 'full' / 'tensorboard').is_dir()
+
+
+def test_identical_initialisation_on_every_worker(data_dir):
+  config = tiny_config(data_dir)
+  model = trainer_lib.models.build_model(config.model)
+  tx = trainer_lib.methods_lib.get_method('diloco').build(
+      config.outer, trainer_lib._make_inner(config), 'worker')
+  state = trainer_lib._init_state(
+      jax.random.key(3), model=model, tx=tx,
+      method=trainer_lib.methods_lib.get_method('diloco'), workers=4)
+  for x in jax.tree.leaves(state['params']) + \
+      jax.tree.leaves(state['opt_state'].anchor):
+    for m in range(1, 4):
+      np.testing.assert_array_equal(np.asarray(x[m]), np.asarray(x[0]))
+
+
+def compiled_bytes(config):
+  """Cross-worker bytes of the compiled inner and sync steps."""
+  mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
+                                   config.mesh.fsdp, config.mesh.tensor)
+  model = trainer_lib.models.build_model(config.model)
+  method = trainer_lib.methods_lib.get_method(config.outer.method)
+  tx = method.build(config.outer, trainer_lib._make_inner(config), 'worker')
+  import functools
+  init = functools.partial(trainer_lib._init_state, model=model, tx=tx,
+                           method=method, workers=config.mesh.workers)
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  shardings = trainer_lib.state_shardings(
+      abstract, trainer_lib._specs(model, mesh), mesh, method.per_worker)
+  abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
+  programs = trainer_lib._build_programs(config, model, tx, method, mesh,
+                                         shardings, abstract)
+  return programs.bytes_per_step, model.num_params, mesh
+
+
+@pytest.mark.parametrize('data,fsdp', [(2, 1), (1, 2)])
+def test_inner_step_moves_nothing_across_workers_sync_moves_fp32_delta(
+    data_dir, data, fsdp):
+  config = tiny_config(data_dir, **{'mesh.data': data, 'mesh.fsdp': fsdp})
+  nbytes, n, mesh = compiled_bytes(config)
+  assert nbytes[False] == 0
+  # Per worker, the sync moves the fp32 pseudo-gradient once per copy held
+  # inside the worker: `data` replicas each send all of it, `fsdp` shards
+  # each send their part.
+  per_worker = nbytes[True] / config.mesh.workers
+  expected = 4 * n * data
+  assert abs(per_worker - expected) <= 0.05 * expected, (per_worker, expected)
+  dp = trainer_lib.data_parallel_bytes_per_step(config, trainer_lib.models
+                                                .build_model(config.model),
+                                                mesh)
+  # Data parallelism all-reduces the full fp32 gradient on every device.
+  assert dp >= 4 * n * mesh.size * 0.95 / fsdp
+
+
+def test_data_parallel_method_runs(data_dir, tmp_path):
+  config = tiny_config(data_dir, **{'outer.method': 'data_parallel',
+                                    'num_steps': 4})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['syncs'] == 0
+  assert summary['cross_worker_bytes'] == \
+      summary['data_parallel_cross_worker_bytes'] > 0
+  assert np.isfinite(summary['final_eval_loss'])
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('outer.sync_every', 0, 'outer.sync_every'),
+    ('outer.sync_every', -5, 'outer.sync_every'),
+    ('mesh.workers', 3, 'mesh.workers'),
+    ('batch_size', 18, 'batch_size'),
+    ('batch_size', 20, 'batch_size'),
+    ('optimizer.name', 'adamz', 'optimizer.name'),
+    ('outer.method', 'fedprox', 'outer.method'),
+    ('data.seq_len', 64, 'data.seq_len'),
+])
+def test_bad_config_fields_raise_clear_errors(data_dir, tmp_path, field,
+                                             value, match):
+  config = tiny_config(data_dir, **{field: value})
+  with pytest.raises(ValueError, match=match):
+    train.train_and_evaluate(config, tmp_path)
+  assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_missing_dataset_raises_clear_error(tmp_path):
+  config = tiny_config(str(tmp_path / 'empty'), **{'data.dataset': 'lm1b'})
+  with pytest.raises((ValueError, FileNotFoundError), match='lm1b'):
+    train.train_and_evaluate(config, tmp_path / 'wd')
+
+
+def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
+  config = tiny_config(data_dir, num_steps=4)
+  train.train_and_evaluate(config, tmp_path)
+  other = tiny_config(data_dir, num_steps=8, **{'model.d_model': 64})
+  with pytest.raises(ckpt_lib.CheckpointError, match='model'):
+    train.train_and_evaluate(other, tmp_path)
+  # Corrupt the saved arrays: a clear error, and nothing is overwritten.
+  step_dir = tmp_path / 'checkpoints' / '4'
+  for f in (step_dir / 'state').rglob('*'):
+    if f.is_file() and f.stat().st_size > 0 and 'ocdbt' not in f.name:
+      f.write_bytes(b'garbage')
+  config.num_steps = 8
+  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoints/4'):
+    train.train_and_evaluate(config, tmp_path)
+  assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()
+                if p.name.isdigit()) == ['4']
