@@ -132,7 +132,7 @@ def state_shardings(abstract_state, param_specs, mesh, per_worker: bool):
 
 
 @dataclasses.dataclass
-class _Programs:
+class Programs:
   """The compiled steps and what their collectives move."""
   steps: dict[bool, Any]          # sync? -> jitted train step
   bytes_per_step: dict[bool, int]  # sync? -> cross-worker bytes (all devices)
@@ -145,7 +145,7 @@ def _loss_fn(model, params, batch):
 
 
 def _build_programs(config, model, tx, method, mesh, shardings,
-                    abstract_state) -> _Programs:
+                    abstract_state) -> Programs:
   m = config.mesh
   batch_axes = ('data', 'fsdp')
   if method.per_worker:
@@ -211,27 +211,73 @@ def _build_programs(config, model, tx, method, mesh, shardings,
       lambda state, batch: eval_run(state['params'], state['opt_state'],
                                     batch),
       in_shardings=(shardings, eval_sharding))
-  return _Programs(steps=steps, bytes_per_step=nbytes, eval_fn=eval_fn)
+  return Programs(steps=steps, bytes_per_step=nbytes, eval_fn=eval_fn)
 
 
-def data_parallel_bytes_per_step(config, model, mesh) -> int:
-  """Cross-worker bytes of one compiled data-parallel step on ``mesh``.
+@dataclasses.dataclass
+class Experiment:
+  """Everything a run needs but the data: mesh, model, optimizer, programs.
+
+  Attributes:
+    config: the config it was built from.
+    mesh: the worker mesh.
+    model: the model's functional interface.
+    method: the training method.
+    tx: the optimizer (inner optimizer wrapped by the method).
+    shardings: ``NamedSharding`` of every leaf of the train state.
+    abstract_state: the train state's shapes, dtypes and shardings.
+    programs: the compiled steps, their cross-worker bytes, and evaluation.
+  """
+
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  model: models.Model
+  method: methods_lib.Method
+  tx: optax.GradientTransformation
+  shardings: Any
+  abstract_state: Any
+  programs: Programs
+
+  def init_state(self) -> dict[str, Any]:
+    """The initial train state: one model initialisation on every worker."""
+    init = functools.partial(_init_state, model=self.model, tx=self.tx,
+                             method=self.method,
+                             workers=self.config.mesh.workers)
+    return jax.jit(init, out_shardings=self.shardings)(
+        jax.random.key(self.config.seed))
+
+
+def build_experiment(config: ml_collections.ConfigDict,
+                     mesh: jax.sharding.Mesh | None = None) -> Experiment:
+  """Validates ``config`` and builds and compiles everything but the data."""
+  validate_config(config, jax.device_count() if mesh is None else mesh.size)
+  if mesh is None:
+    mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
+                                     config.mesh.fsdp, config.mesh.tensor)
+  method = methods_lib.get_method(config.outer.method)
+  model = models.build_model(config.model)
+  tx = method.build(config.outer, _make_inner(config), parallel.WORKER)
+  init = functools.partial(_init_state, model=model, tx=tx, method=method,
+                           workers=config.mesh.workers)
+  abstract = jax.eval_shape(init, jax.random.key(config.seed))
+  shardings = state_shardings(abstract, _specs(model, mesh), mesh,
+                              method.per_worker)
+  abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
+  programs = _build_programs(config, model, tx, method, mesh, shardings,
+                             abstract)
+  return Experiment(config, mesh, model, method, tx, shardings, abstract,
+                    programs)
+
+
+def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
+  """Cross-worker bytes of one compiled data-parallel step for ``config``.
 
   The reference a local-update method is compared with: the same model,
   optimizer and mesh, gradients all-reduced every step.
   """
   dp_config = ml_collections.ConfigDict(config.to_dict())
   dp_config.outer.method = 'data_parallel'
-  method = methods_lib.get_method('data_parallel')
-  tx = method.build(dp_config.outer, _make_inner(dp_config), parallel.WORKER)
-  init = functools.partial(_init_state, model=model, tx=tx, method=method,
-                           workers=config.mesh.workers)
-  abstract = jax.eval_shape(init, jax.random.key(0))
-  shardings = state_shardings(abstract, _specs(model, mesh), mesh, False)
-  abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
-  programs = _build_programs(dp_config, model, tx, method, mesh, shardings,
-                             abstract)
-  return programs.bytes_per_step[False]
+  return build_experiment(dp_config).programs.bytes_per_step[False]
 
 
 def _specs(model, mesh):
@@ -260,7 +306,7 @@ def _is_sync(method, config, step: int, since_sync: int) -> bool:
   return bool(method.syncs and method.syncs(config.outer, step, since_sync))
 
 
-def _eval(programs, state, eval_batches, mesh, config, per_worker) -> float:
+def _eval(programs, state, eval_batches, config, per_worker) -> float:
   losses = []
   for batch in eval_batches:
     if per_worker:
@@ -287,13 +333,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     data-parallel step would have moved for the same steps, timings.
   """
   workdir = pathlib.Path(workdir)
-  validate_config(config, jax.device_count())
   config_json = config_to_json(config)
-  mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
-                                   config.mesh.fsdp, config.mesh.tensor)
-  method = methods_lib.get_method(config.outer.method)
-  model = models.build_model(config.model)
-  tx = method.build(config.outer, _make_inner(config), parallel.WORKER)
+  t0 = time.perf_counter()
+  exp = build_experiment(config)
+  compile_s = time.perf_counter() - t0
+  method, programs = exp.method, exp.programs
   data = data_lib.make_lm_data(
       config.data, num_workers=config.mesh.workers,
       global_batch=config.batch_size, seq_len=config.data.seq_len,
@@ -301,31 +345,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   eval_batches = data.eval_batches(config.eval_batches,
                                    config.eval_batch_size)
 
-  init = functools.partial(_init_state, model=model, tx=tx, method=method,
-                           workers=config.mesh.workers)
-  rng = jax.random.key(config.seed)
-  abstract = jax.eval_shape(init, rng)
-  shardings = state_shardings(abstract, _specs(model, mesh), mesh,
-                              method.per_worker)
-  abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
-
   progress = metrics_lib.Progress(config.num_steps,
                                   every=config.log_every,
                                   enabled=config.get('progress', True))
   workdir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                max_to_keep=config.keep_checkpoints)
-  t0 = time.perf_counter()
-  programs = _build_programs(config, model, tx, method, mesh, shardings,
-                             abstract)
-  compile_s = time.perf_counter() - t0
-
   if ckpt.latest_step() is not None:
-    start, state = ckpt.restore(abstract, config_json)
+    start, state = ckpt.restore(exp.abstract_state, config_json)
     progress.message(f'resumed from checkpoint at step {start} in {ckpt.dir}')
   else:
     start = 0
-    state = jax.jit(init, out_shardings=shardings)(rng)
+    state = exp.init_state()
   writer = metrics_lib.MetricWriter(workdir, resume_step=start)
   # Which steps synced is a pure function of the config, so the counters of
   # an interrupted run are replayed rather than stored.
@@ -374,7 +405,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
             'comm/syncs': syncs,
         }
         if eval_now:
-          scalars['eval/loss'] = _eval(programs, state, eval_batches, mesh,
+          scalars['eval/loss'] = _eval(programs, state, eval_batches,
                                        config, method.per_worker)
         writer.write(step, scalars)
         progress.update(step, loss=loss, tokens_per_s=tps,
@@ -396,7 +427,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     records = metrics_lib.read_metrics(workdir)
     evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
     dp_step = (programs.bytes_per_step[False] if not method.per_worker else
-               data_parallel_bytes_per_step(config, model, mesh))
+               data_parallel_bytes_per_step(config))
     summary.update({
         'method': config.outer.method,
         'final_eval_loss': evals[-1] if evals else None,
@@ -406,7 +437,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         'data_parallel_cross_worker_bytes': dp_step * config.num_steps,
         'bytes_per_inner_step': programs.bytes_per_step[False],
         'bytes_per_sync_step': programs.bytes_per_step.get(True),
-        'num_params': model.num_params,
+        'num_params': exp.model.num_params,
         'compile_seconds': compile_s,
         'train_seconds_this_run': train_time,
     })
