@@ -279,7 +279,12 @@ class Transformer(nnx.Module):
           f'sequence length {length} exceeds model.max_len ({config.max_len})'
       )
     sin, cos = rope_tables(length, config.head_dim)
-    x = self.embed(tokens)
+    # The lookup is a one-hot matmul: with a byte vocabulary it costs little,
+    # it is deterministic, and GSPMD partitions it over a batch-sharded input
+    # without gathering the tokens (a gather-based lookup inside the worker
+    # shard_map all-gathers tokens and embeddings across the data axis).
+    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
+    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
     for i in range(config.num_layers):
       x = getattr(self, f'layer_{i}')(x, sin, cos)
     return self.head(self.final_norm(x)).astype(jnp.float32)
