@@ -87,6 +87,7 @@ def diloco(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
+    reduce_fn: Callable[[Any], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
 
@@ -129,6 +130,10 @@ def diloco(
     axis_name: the worker axis to average over; ``None`` for one worker.
     anchor_dtype: the minimum precision of the anchor and its outer state
       (fp32 by default, so bf16 parameters keep an fp32 anchor).
+    reduce_fn: how to average the pseudo-gradient tree over workers; default
+      ``lax.pmean(tree, axis_name)``. On a mesh, pass
+      ``loc_opt.parallel.worker_mean(axis_name)`` so data-parallel replicas
+      inside a worker do not each send their copy across workers.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -173,7 +178,9 @@ def diloco(
       delta = jax.tree.map(
           lambda a, x: a - x.astype(a.dtype), state.anchor, local
       )
-      if axis_name is not None:
+      if reduce_fn is not None:
+        delta = reduce_fn(delta)
+      elif axis_name is not None:
         delta = jax.lax.pmean(delta, axis_name)
       outer_updates, outer_state = outer.update(
           delta, state.outer_state, state.anchor
@@ -217,6 +224,7 @@ def local_sgd(
     sync_every: SyncEvery,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
+    reduce_fn: Callable[[Any], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
 
@@ -234,6 +242,7 @@ def local_sgd(
       outer=optax.sgd(1.0),
       axis_name=axis_name,
       anchor_dtype=anchor_dtype,
+      reduce_fn=reduce_fn,
   )
 
 

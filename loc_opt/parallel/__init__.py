@@ -1,5 +1,6 @@
 """Meshes with a worker axis, per-worker runners, and collective accounting."""
 
+from loc_opt.parallel.collectives import worker_mean
 from loc_opt.parallel.mesh import AXES
 from loc_opt.parallel.mesh import arrange_devices
 from loc_opt.parallel.mesh import devices_per_worker

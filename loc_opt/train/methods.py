@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from loc_opt import outer as outer_lib
+from loc_opt import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +49,14 @@ def _build_diloco(cfg, inner, axis_name):
   if not cfg.get('nesterov', True):
     outer = optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
   return outer_lib.diloco(inner, sync_every=_sync_every(cfg), outer=outer,
-                          axis_name=axis_name)
+                          axis_name=axis_name,
+                          reduce_fn=parallel.worker_mean(axis_name))
 
 
 def _build_local_sgd(cfg, inner, axis_name):
   return outer_lib.local_sgd(inner, sync_every=_sync_every(cfg),
-                             axis_name=axis_name)
+                             axis_name=axis_name,
+                             reduce_fn=parallel.worker_mean(axis_name))
 
 
 def _diloco_syncs(cfg, step, steps_since_sync):

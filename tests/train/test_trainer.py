@@ -101,11 +101,11 @@ def test_inner_step_moves_nothing_across_workers_sync_moves_fp32_delta(
   exp = trainer_lib.build_experiment(config)
   nbytes, n = exp.programs.bytes_per_step, exp.model.num_params
   assert nbytes[False] == 0
-  # Per worker, the sync moves the fp32 pseudo-gradient once per copy held
-  # inside the worker: `data` replicas each send all of it, `fsdp` shards
-  # each send their part.
+  # Per worker, the sync moves the fp32 pseudo-gradient once: worker_mean
+  # spreads it over the worker's devices before the cross-worker mean, so
+  # data-parallel replicas do not each send their copy.
   per_worker = nbytes[True] / config.mesh.workers
-  expected = 4 * n * data
+  expected = 4 * n
   assert abs(per_worker - expected) <= 0.05 * expected, (per_worker, expected)
   dp = trainer_lib.data_parallel_bytes_per_step(config)
   # Data parallelism all-reduces the fp32 gradient (a 1/fsdp shard of it per

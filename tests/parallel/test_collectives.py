@@ -1,0 +1,40 @@
+"""worker_mean: the mean over workers, each element sent once per worker."""
+
+import jax
+import numpy as np
+import pytest
+
+from loc_opt import parallel
+
+
+@pytest.mark.parametrize('data,fsdp', [(2, 1), (1, 2), (1, 1)])
+def test_worker_mean_equals_pmean_and_sends_one_copy_per_worker(data, fsdp):
+  workers = 8 // (data * fsdp)
+  mesh = parallel.make_worker_mesh(workers, data=data, fsdp=fsdp)
+  tree = {'a': np.random.default_rng(0).normal(size=(workers, 37, 5)),
+          'b': np.arange(workers * 3.0).reshape(workers, 3),
+          's': np.ones((workers,))}
+  tree = jax.tree.map(lambda x: jax.device_put(
+      x.astype(np.float32), jax.NamedSharding(mesh, jax.P('worker'))), tree)
+  fast = jax.jit(parallel.shard_map_workers(parallel.worker_mean(), mesh))
+  plain = jax.jit(parallel.shard_map_workers(
+      lambda t: jax.lax.pmean(t, 'worker'), mesh))
+  for got, want in zip(jax.tree.leaves(fast(tree)),
+                       jax.tree.leaves(plain(tree))):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  report = parallel.collective_bytes(fast.lower(tree).compile(), mesh)
+  inside = data * fsdp
+  # Each leaf padded to a multiple of the worker's devices, 4 bytes each.
+  padded = sum(-(-n // inside) * inside for n in (37 * 5, 3)) + 1 * inside
+  if inside == 1:
+    padded = 37 * 5 + 3 + 1
+  assert report.cross_worker_bytes_per_worker == 4 * padded
+  plain_report = parallel.collective_bytes(plain.lower(tree).compile(), mesh)
+  assert plain_report.cross_worker_bytes_per_worker == \
+      4 * (37 * 5 + 3 + 1) * inside
+
+
+def test_worker_mean_without_mesh_is_pmean():
+  x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+  got = jax.vmap(parallel.worker_mean(), axis_name='worker')(x)
+  np.testing.assert_allclose(got, np.broadcast_to(x.mean(0), (4, 3)))
