@@ -71,4 +71,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD).
   c.outer.momentum = 0.9  # Outer momentum.
   c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.
+  c.outer.codec = 'none'  # Pseudo-gradient codec: loc_opt.compression.CODECS.
   return c

@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from loc_opt import compression
 from loc_opt import outer as outer_lib
 from loc_opt import parallel
 
@@ -44,19 +45,26 @@ def _sync_every(cfg: ml_collections.ConfigDict) -> int:
   return int(h)
 
 
+def _reduce_fn(cfg, axis_name):
+  """The cross-worker mean of pseudo-gradients: spread over the worker's
+  devices, through the configured codec."""
+  codec = compression.make_codec(cfg.get('codec', 'none'))
+  return parallel.worker_mean(axis_name, codec=codec)
+
+
 def _build_diloco(cfg, inner, axis_name):
   outer = outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
   if not cfg.get('nesterov', True):
     outer = optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
   return outer_lib.diloco(inner, sync_every=_sync_every(cfg), outer=outer,
-                          axis_name=axis_name,
-                          reduce_fn=parallel.worker_mean(axis_name))
+                          axis_name=axis_name, reduce_fn=_reduce_fn(cfg,
+                                                                    axis_name))
 
 
 def _build_local_sgd(cfg, inner, axis_name):
   return outer_lib.local_sgd(inner, sync_every=_sync_every(cfg),
                              axis_name=axis_name,
-                             reduce_fn=parallel.worker_mean(axis_name))
+                             reduce_fn=_reduce_fn(cfg, axis_name))
 
 
 def _diloco_syncs(cfg, step, steps_since_sync):

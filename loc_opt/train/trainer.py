@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from loc_opt import compression
 from loc_opt import data as data_lib
 from loc_opt import inner as inner_lib
 from loc_opt import models
@@ -82,6 +83,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   methods_lib.get_method(config.outer.method)
   if config.outer.method != 'data_parallel':
     methods_lib._sync_every(config.outer)  # pylint: disable=protected-access
+    compression.make_codec(config.outer.get('codec', 'none'))
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
     raise ValueError('model.vocab_size must be >= 256 for byte-level data')

@@ -164,3 +164,16 @@ def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
     train.train_and_evaluate(config, tmp_path)
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()
                 if p.name.isdigit()) == ['4']
+
+
+def test_int8_codec_sync_moves_a_quarter_of_the_fp32_bytes(data_dir):
+  config = tiny_config(data_dir, **{'outer.codec': 'int8'})
+  exp = trainer_lib.build_experiment(config)
+  n = exp.model.num_params
+  nbytes = exp.programs.bytes_per_step
+  assert nbytes[False] == 0
+  per_worker = nbytes[True] / config.mesh.workers
+  # int8 values + one fp32 scale per 256 values, each leaf padded to whole
+  # blocks on each of the worker's 2 devices.
+  assert n * (1 + 4 / 256) <= per_worker <= 1.1 * n * (1 + 4 / 256)
+  assert per_worker < 0.3 * 4 * n
