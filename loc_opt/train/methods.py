@@ -27,8 +27,9 @@ class Method:
       axis (local-update methods) or are one replicated copy (data parallel).
     build: ``(outer_config, inner_tx, axis_name) -> GradientTransformation``.
     eval_params: ``(opt_state, params) -> params`` to evaluate.
-    syncs: ``(outer_config, step, opt_state_host) -> bool`` whether the step
-      after ``step`` steps needs the sync program (None: a single program).
+    syncs: ``(outer_config, step, steps_since_sync) -> bool``, whether the
+      step after ``step`` steps needs the sync program (None: the method has
+      a single program).
   """
 
   per_worker: bool

@@ -359,6 +359,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   else:
     start = 0
     state = exp.init_state()
+  # The input position is part of the state: batches are a pure function of
+  # (seed, position), so restoring it resumes the exact data order.
+  position = int(jax.device_get(state['data_position']))
   writer = metrics_lib.MetricWriter(workdir, resume_step=start)
   # Which steps synced is a pure function of the config, so the counters of
   # an interrupted run are replayed rather than stored.
@@ -381,7 +384,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       if halt_after and step - start >= halt_after:
         break
       sync = _is_sync(method, config, step, since_sync)
-      batch = data.train.batch(int(step))
+      batch = data.train.batch(position)
+      position += 1
       if not method.per_worker:
         batch = batch.reshape(-1, batch.shape[-1])
       state, loss_arr = programs.steps[sync](state, batch)
