@@ -217,3 +217,25 @@ def test_sync_every_must_be_positive(bad):
 def test_sync_every_must_be_int(bad):
   with pytest.raises(TypeError, match='sync_every'):
     loc_opt.diloco(optax.sgd(0.1), sync_every=bad)
+
+
+def test_cond_program_has_the_sync_collective_only_in_one_branch():
+  mesh = parallel.make_worker_mesh(M, data=2)
+  tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
+
+  def step(params, state, batch):
+    grads = jax.grad(quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)  # lax.cond on the count
+    return optax.apply_updates(params, updates), state
+
+  params = stack(conf.example_params())
+  state = jax.vmap(tx.init)(params)
+  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
+      params, state, worker_batches(0)).compile()
+  report = parallel.collective_bytes(compiled, mesh)
+  n = sum(x[0].size for x in jax.tree.leaves(params))
+  assert report.cross_worker_bytes == 0  # nothing crosses unconditionally
+  # One branch all-reduces the fp32 pseudo-gradient on all 8 devices (a
+  # plain pmean: each data replica sends its copy); the other moves nothing.
+  assert sorted(sum(report.branches.values(), ())) == [0, 4 * n * 8]
+  assert report.cross_worker_bytes_range == (0, 4 * n * 8)
