@@ -22,7 +22,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0  # Seed of the model initialisation and of the data order.
   c.num_steps = 300  # Inner (optimizer) steps of every worker.
   c.batch_size = 32  # Global sequences per step, split evenly over workers.
-  c.eval_batch_size = 32  # Sequences per evaluation batch.
   c.eval_batches = 4  # Batches per evaluation (fixed validation set).
   c.eval_every = 100  # Evaluate every this many steps (and at the end).
   c.log_every = 10  # Write train metrics every this many steps.
@@ -54,6 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.max_bytes = 8_000_000  # Cap on the stdlib corpus (bytes).
   c.data.non_iid = False  # True: whole source files per worker.
   c.data.seq_len = 128  # Bytes per training sequence.
+  c.data.eval_batch_size = 32  # Sequences per evaluation batch.
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = 'adamw'  # Inner optimizer (loc_opt.inner.OPTIMIZERS).

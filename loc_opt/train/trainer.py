@@ -74,8 +74,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
         f'batch_size={config.batch_size} gives {per_worker} sequences per '
         f'worker, which does not divide across the {m.data * m.fsdp} '
         'data-parallel devices (mesh.data * mesh.fsdp) of a worker')
-  if config.eval_batch_size % num_devices:
-    raise ValueError(f'eval_batch_size={config.eval_batch_size} must divide '
+  eval_batch = config.data.get('eval_batch_size') or config.batch_size
+  if eval_batch % num_devices:
+    raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
                      f'across the {num_devices} devices')
   if config.data.seq_len > config.model.max_len:
     raise ValueError(f'data.seq_len={config.data.seq_len} exceeds '
@@ -344,8 +345,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       config.data, num_workers=config.mesh.workers,
       global_batch=config.batch_size, seq_len=config.data.seq_len,
       seed=config.seed)
-  eval_batches = data.eval_batches(config.eval_batches,
-                                   config.eval_batch_size)
+  eval_batches = data.eval_batches(config.eval_batches)
 
   progress = metrics_lib.Progress(config.num_steps,
                                   every=config.log_every,
@@ -410,15 +410,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
             'comm/cross_worker_bytes_total': cum_bytes,
             'comm/syncs': syncs,
         }
+        sync_bytes = programs.bytes_per_step.get(True)
+        if sync_bytes is not None:
+          scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
         if eval_now:
           scalars['eval/loss'] = _eval(programs, state, eval_batches,
                                        config, method.per_worker)
         writer.write(step, scalars)
         progress.update(step, loss=loss, tokens_per_s=tps,
                         cross_worker_bytes=cum_bytes)
-        last_time, last_step = time.perf_counter(), step
       if ckpt.should_save(step, config.num_steps):
         ckpt.save(step, state, config_json)
+      if log_now or eval_now:  # throughput excludes evaluation and saving
+        last_time, last_step = time.perf_counter(), step
   except KeyboardInterrupt:
     progress.message(f'interrupted at step {step}; saving a checkpoint')
     ckpt.save(step, state, config_json)

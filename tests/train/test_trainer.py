@@ -21,7 +21,7 @@ def tiny_config(data_dir, **overrides):
   c = diloco_lm.get_config()
   c.num_steps = 12
   c.batch_size = 16
-  c.eval_batch_size = 16
+  c.data.eval_batch_size = 16
   c.eval_batches = 1
   c.eval_every = 6
   c.log_every = 2
@@ -133,6 +133,7 @@ def test_data_parallel_method_runs(data_dir, tmp_path):
     ('optimizer.name', 'adamz', 'optimizer.name'),
     ('outer.method', 'fedprox', 'outer.method'),
     ('data.seq_len', 64, 'data.seq_len'),
+    ('data.eval_batch_size', 12, 'data.eval_batch_size'),
 ])
 def test_bad_config_fields_raise_clear_errors(data_dir, tmp_path, field,
                                              value, match):
