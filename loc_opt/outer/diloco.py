@@ -52,7 +52,8 @@ def _check_sync_every(sync_every: SyncEvery) -> None:
   if callable(sync_every) or isinstance(sync_every, jax.core.Tracer):
     return
   if isinstance(sync_every, bool):
-    raise TypeError(f'sync_every must be an int or a schedule, got {sync_every!r}')
+    raise TypeError(
+        f'sync_every must be an int or a schedule, got {sync_every!r}')
   value = np.asarray(sync_every)
   if value.ndim or not np.issubdtype(value.dtype, np.integer):
     raise TypeError(

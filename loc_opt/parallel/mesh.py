@@ -25,7 +25,7 @@ INNER_AXES = (DATA, FSDP, TENSOR)
 def arrange_devices(
     devices: Sequence[Any], shape: Sequence[int]
 ) -> np.ndarray:
-  """Orders ``devices`` into an array of ``shape`` = (worker, data, fsdp, tensor).
+  """Orders ``devices`` into a (worker, data, fsdp, tensor) array.
 
   Devices are grouped by ``slice_index`` (multi-slice TPU) when there is more
   than one slice, so that each worker lies inside one slice and only the
@@ -103,7 +103,8 @@ def make_worker_mesh(
   sizes = {WORKER: workers, DATA: data, FSDP: fsdp, TENSOR: tensor}
   for name, size in sizes.items():
     if not isinstance(size, (int, np.integer)) or size < 1:
-      raise ValueError(f'mesh axis {name!r} must be a positive int, got {size!r}')
+      raise ValueError(
+          f'mesh axis {name!r} must be a positive int, got {size!r}')
   devices = list(jax.devices() if devices is None else devices)
   array = arrange_devices(devices, tuple(sizes.values()))
   return jax.sharding.Mesh(

@@ -39,7 +39,8 @@ class Method:
   syncs: Callable[[ml_collections.ConfigDict, int, int], bool] | None = None
 
 
-def _sync_every(cfg: ml_collections.ConfigDict) -> int:
+def check_sync_every(cfg: ml_collections.ConfigDict) -> int:
+  """Validates and returns `outer.sync_every` of a config."""
   h = cfg.sync_every
   if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h <= 0:
     raise ValueError(f'outer.sync_every must be a positive int, got {h!r}')
@@ -57,19 +58,20 @@ def _build_diloco(cfg, inner, axis_name):
   outer = outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
   if not cfg.get('nesterov', True):
     outer = optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
-  return outer_lib.diloco(inner, sync_every=_sync_every(cfg), outer=outer,
-                          axis_name=axis_name, reduce_fn=_reduce_fn(cfg,
-                                                                    axis_name))
+  return outer_lib.diloco(inner, sync_every=check_sync_every(cfg),
+                          outer=outer, axis_name=axis_name,
+                          reduce_fn=_reduce_fn(cfg, axis_name))
 
 
 def _build_local_sgd(cfg, inner, axis_name):
-  return outer_lib.local_sgd(inner, sync_every=_sync_every(cfg),
+  return outer_lib.local_sgd(inner, sync_every=check_sync_every(cfg),
                              axis_name=axis_name,
                              reduce_fn=_reduce_fn(cfg, axis_name))
 
 
 def _diloco_syncs(cfg, step, steps_since_sync):
-  return outer_lib.next_step_syncs(_sync_every(cfg), step, steps_since_sync)
+  return outer_lib.next_step_syncs(check_sync_every(cfg), step,
+                                   steps_since_sync)
 
 
 def _diloco_eval(opt_state, params):

@@ -83,7 +83,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
                      f'model.max_len={config.model.max_len}')
   methods_lib.get_method(config.outer.method)
   if config.outer.method != 'data_parallel':
-    methods_lib._sync_every(config.outer)  # pylint: disable=protected-access
+    methods_lib.check_sync_every(config.outer)
     compression.make_codec(config.outer.get('codec', 'none'))
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
