@@ -9,7 +9,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 from typing import Any, TextIO
 
 import tensorboardX
@@ -77,7 +76,7 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
 class Progress:
   """A one-line progress bar on a terminal; plain log lines elsewhere."""
 
-  def __init__(self, total: int, *, start: int = 0, every: int = 10,
+  def __init__(self, total: int, *, every: int = 10,
                stream: TextIO | None = None, enabled: bool = True):
     self.total = total
     self.every = max(1, every)
@@ -85,8 +84,6 @@ class Progress:
     self.enabled = enabled
     self.tty = enabled and hasattr(self.stream, 'isatty') and \
         self.stream.isatty()
-    self.start_time = time.perf_counter()
-    self.start = start
 
   def update(self, step: int, *, loss: float, tokens_per_s: float,
              cross_worker_bytes: float) -> None:

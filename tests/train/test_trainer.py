@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import diloco_lm
+import loc_opt
 from loc_opt import train
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import trainer as trainer_lib
@@ -106,6 +107,8 @@ def test_inner_step_moves_nothing_across_workers_sync_moves_fp32_delta(
   # data-parallel replicas do not each send their copy.
   per_worker = nbytes[True] / config.mesh.workers
   expected = 4 * n
+  assert expected == loc_opt.outer.pseudo_gradient_bytes(
+      jax.eval_shape(exp.model.init, jax.random.key(0)))
   assert abs(per_worker - expected) <= 0.05 * expected, (per_worker, expected)
   dp = trainer_lib.data_parallel_bytes_per_step(config)
   # Data parallelism all-reduces the fp32 gradient (a 1/fsdp shard of it per
