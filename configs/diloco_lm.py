@@ -66,10 +66,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                         'weight_decay': 0.1}  # Decoupled weight decay.
 
   c.outer = ml_collections.ConfigDict()
-  c.outer.method = 'diloco'  # 'diloco', 'local_sgd' or 'data_parallel'.
+  # 'diloco', 'local_sgd', 'data_parallel' or 'compressed_data_parallel'
+  # (loc_opt.train.METHODS).
+  c.outer.method = 'diloco'
   c.outer.sync_every = 50  # H: inner steps between syncs.
   c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD).
   c.outer.momentum = 0.9  # Outer momentum.
   c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.
-  c.outer.codec = 'none'  # Pseudo-gradient codec: loc_opt.compression.CODECS.
+  # What crosses workers: a name of loc_opt.compression.make_compressor
+  # ('none', 'int8', 'int4', 'fp4_e3m0', 'topk', 'powersgd', ...), for
+  # pseudo-gradients (DiLoCo) or gradients (compressed_data_parallel).
+  c.outer.codec = 'none'
+  c.outer.codec_kwargs = {}  # The codec's arguments, e.g. {'rank': 4}.
+  c.outer.error_feedback = 'none'  # 'none', 'ef', 'ef21' or 'econtrol'.
+  c.outer.econtrol_eta = 0.1  # EControl's feedback strength.
+  c.outer.compress_min_size = 0  # Smaller leaves are sent uncompressed.
+  c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
   return c

@@ -1,10 +1,37 @@
-"""Gradient / pseudo-gradient compression: codecs and compressed means."""
+"""Gradient / pseudo-gradient compression: codecs, compressors, collectives.
+
+* :mod:`~loc_opt.compression.codecs`: stateless wire formats over flat
+  arrays (:class:`Codec`).
+* :mod:`~loc_opt.compression.compressor`: stateful means over the worker axis
+  (:class:`Compressor`), :func:`compressed_mean` and the gradient
+  transformation :func:`compressed_all_reduce`.
+* :mod:`~loc_opt.compression.feedback`: error feedback (EF, EF21, EControl).
+* :mod:`~loc_opt.compression.comm`: collectives that spread payloads over a
+  worker's devices so each element crosses workers once.
+"""
 
 from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import CODECS
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.codecs import int8
 from loc_opt.compression.codecs import make_codec
-from loc_opt.compression.collectives import compressed_mean
-from loc_opt.compression.collectives import mean_flat
-from loc_opt.compression.collectives import pad_to
+from loc_opt.compression.comm import Comm
+from loc_opt.compression.comm import pad_to
+from loc_opt.compression.compressor import as_compressor
+from loc_opt.compression.compressor import build_compressor
+from loc_opt.compression.compressor import compressed_all_reduce
+from loc_opt.compression.compressor import compressed_mean
+from loc_opt.compression.compressor import CompressedAllReduceState
+from loc_opt.compression.compressor import Compressor
+from loc_opt.compression.compressor import COMPRESSORS
+from loc_opt.compression.compressor import from_codec
+from loc_opt.compression.compressor import leafwise
+from loc_opt.compression.compressor import make_compressor
+from loc_opt.compression.compressor import matrices
+from loc_opt.compression.compressor import min_size
+from loc_opt.compression.compressor import partition
+from loc_opt.compression.feedback import ef21
+from loc_opt.compression.feedback import econtrol
+from loc_opt.compression.feedback import error_feedback
+from loc_opt.compression.feedback import FEEDBACK
+from loc_opt.compression.feedback import with_feedback

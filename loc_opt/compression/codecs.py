@@ -1,13 +1,14 @@
 """Codecs: what a worker puts on the wire for one array, and how it is read.
 
-A :class:`Codec` is a pure pair ``encode(x) -> payload`` / ``decode(payload,
-size) -> x_hat`` over a flat float array, plus the theoretical payload size.
-Payloads are pytrees of arrays whose dtypes are what crosses the link (int8
-values travel as int8, not as dequantized fp32).
+A :class:`Codec` is a pure pair ``encode(x, key) -> payload`` /
+``decode(payload, n, key) -> x_hat`` over a flat float array, plus the
+theoretical payload size. Payloads are pytrees of arrays whose dtypes are what
+crosses the link (int8 values travel as int8, 4-bit codes two to a uint8, not
+as dequantized fp32).
 
-This module starts with the identity and block-wise int8. Error feedback,
-sub-byte packing, sparsification and low-rank codecs build on the same
-interface.
+Codecs are stateless; state (error feedback, warm starts) lives in the
+compressors of :mod:`loc_opt.compression.compressor`, which turn any codec
+into a mean over workers.
 
 References:
   Dettmers, Lewis, Shleifer, Zettlemoyer, *8-bit Optimizers via Block-wise
@@ -27,31 +28,42 @@ class Codec(NamedTuple):
 
   Attributes:
     name: registry name.
-    encode: ``x[n] -> payload`` (a pytree of arrays); ``n`` is a multiple of
-      ``block_size``.
-    decode: ``(payload, n) -> x_hat[n]`` in float32.
+    encode: ``(x[n], key=None) -> payload`` (a pytree of arrays); ``n`` is a
+      multiple of ``block_size``. ``key`` is a PRNG key (see ``randomness``).
+    decode: ``(payload, n, key=None) -> x_hat[n]`` in float32; ``key`` is the
+      key the payload was encoded with when ``randomness == 'shared'``.
     payload_bytes: ``n -> bytes`` one worker sends for ``n`` elements.
     block_size: inputs are padded to a multiple of this.
-    exact: whether ``decode(encode(x)) == x``; exact codecs are averaged with
-      a plain all-reduce.
+    exact: whether ``decode(encode(x)) == x``.
+    linear: whether payloads are float arrays that can be averaged over
+      workers before decoding (``decode(mean(payloads)) == mean(decode)``):
+      such codecs are reduced with an all-reduce of the payload instead of an
+      all-gather (the identity; random-k with a shared mask).
+    randomness: ``'none'`` (deterministic), ``'per_worker'`` (independent
+      draws per worker, e.g. stochastic rounding; the caller folds in the
+      worker index) or ``'shared'`` (the same draw on every worker, e.g. a
+      random-k mask; decoding needs the same key).
   """
 
   name: str
-  encode: Callable[[jax.Array], Any]
-  decode: Callable[[Any, int], jax.Array]
+  encode: Callable[..., Any]
+  decode: Callable[..., jax.Array]
   payload_bytes: Callable[[int], int]
   block_size: int = 1
   exact: bool = False
+  linear: bool = False
+  randomness: str = 'none'
 
 
 def identity() -> Codec:
   """No compression: fp32 values, averaged with an all-reduce."""
   return Codec(
       name='none',
-      encode=lambda x: x,
-      decode=lambda payload, n: payload[:n].astype(jnp.float32),
+      encode=lambda x, key=None: x.astype(jnp.float32),
+      decode=lambda payload, n, key=None: payload[:n].astype(jnp.float32),
       payload_bytes=lambda n: 4 * n,
       exact=True,
+      linear=True,
   )
 
 
@@ -72,14 +84,16 @@ def int8(block_size: int = 256) -> Codec:
   if block_size < 1:
     raise ValueError(f'block_size must be >= 1, got {block_size}')
 
-  def encode(x):
+  def encode(x, key=None):
+    del key
     blocks = x.astype(jnp.float32).reshape(-1, block_size)
     scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)
     q = jnp.clip(jnp.round(blocks / safe), -127, 127).astype(jnp.int8)
     return {'values': q, 'scales': scale[:, 0]}
 
-  def decode(payload, n):
+  def decode(payload, n, key=None):
+    del key
     x = payload['values'].astype(jnp.float32) * payload['scales'][:, None]
     return x.reshape(-1)[:n]
 

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loc_opt import compression
+
 SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
 
 
@@ -36,6 +38,8 @@ class DilocoState(NamedTuple):
     count: int32 scalar, inner steps taken.
     steps_since_sync: int32 scalar, inner steps since the last sync.
     num_syncs: int32 scalar, syncs done (a diagnostic for the loop).
+    codec_state: the pseudo-gradient compressor's per-worker state (e.g.
+      error-feedback buffers, kept across syncs); ``()`` without a codec.
   """
 
   inner_state: optax.OptState
@@ -44,6 +48,7 @@ class DilocoState(NamedTuple):
   count: jax.Array
   steps_since_sync: jax.Array
   num_syncs: jax.Array
+  codec_state: Any = ()
 
 
 def _check_sync_every(sync_every: SyncEvery) -> None:
@@ -89,6 +94,8 @@ def diloco(
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
     reduce_fn: Callable[[Any], Any] | None = None,
+    codec: compression.Compressor | compression.Codec | None = None,
+    codec_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
 
@@ -135,6 +142,14 @@ def diloco(
       ``lax.pmean(tree, axis_name)``. On a mesh, pass
       ``loc_opt.parallel.worker_mean(axis_name)`` so data-parallel replicas
       inside a worker do not each send their copy across workers.
+    codec: compress the pseudo-gradients: a ``loc_opt.compression``
+      compressor or codec (e.g. ``compression.int8()``, or one wrapped in
+      ``compression.error_feedback``). Only its payload crosses workers, each
+      element once per worker (spread over the worker's devices on a mesh);
+      its state (error buffers) persists across syncs in ``codec_state``.
+      Exclusive with ``reduce_fn``.
+    codec_seed: seed of the key shared by all workers at each sync (folded
+      with the sync index), for codecs that draw random numbers.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -150,6 +165,12 @@ def diloco(
   _check_sync_every(sync_every)
   inner = optax.with_extra_args_support(inner)
   outer = nesterov_outer() if outer is None else outer
+  if codec is not None and reduce_fn is not None:
+    raise ValueError('diloco takes a codec or a reduce_fn, not both')
+  if codec is not None and axis_name is None:
+    raise ValueError('diloco with a codec needs an axis_name')
+  compressor = None if codec is None else compression.as_compressor(codec)
+  comm = compression.Comm(axis_name) if axis_name is not None else None
 
   def init_fn(params):
     anchor = jax.tree.map(
@@ -164,6 +185,7 @@ def diloco(
         count=zero,
         steps_since_sync=zero,
         num_syncs=zero,
+        codec_state=() if compressor is None else compressor.init(anchor),
     )
 
   def update_fn(updates, state, params=None, *, sync=None, **extra_args):
@@ -179,7 +201,12 @@ def diloco(
       delta = jax.tree.map(
           lambda a, x: a - x.astype(a.dtype), state.anchor, local
       )
-      if reduce_fn is not None:
+      codec_state = state.codec_state
+      if compressor is not None:
+        key = jax.random.fold_in(jax.random.key(codec_seed), state.num_syncs)
+        mean, _, codec_state = compressor.mean(delta, codec_state, comm, key)
+        delta = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
+      elif reduce_fn is not None:
         delta = reduce_fn(delta)
       elif axis_name is not None:
         delta = jax.lax.pmean(delta, axis_name)
@@ -190,11 +217,12 @@ def diloco(
       new_updates = jax.tree.map(
           lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params
       )
-      return new_updates, anchor, outer_state, jnp.ones([], jnp.int32)
+      return (new_updates, anchor, outer_state, codec_state,
+              jnp.ones([], jnp.int32))
 
     def inner_only(_):
       return (inner_updates, state.anchor, state.outer_state,
-              jnp.zeros([], jnp.int32))
+              state.codec_state, jnp.zeros([], jnp.int32))
 
     if sync is None:
       due = state.steps_since_sync + 1 >= sync_period(sync_every, state.count)
@@ -203,7 +231,7 @@ def diloco(
       out = outer_step(None)
     else:
       out = inner_only(None)
-    new_updates, anchor, outer_state, synced = out
+    new_updates, anchor, outer_state, codec_state, synced = out
     new_state = DilocoState(
         inner_state=inner_state,
         anchor=anchor,
@@ -213,6 +241,7 @@ def diloco(
             synced > 0, 0, optax.safe_increment(state.steps_since_sync)
         ).astype(jnp.int32),
         num_syncs=state.num_syncs + synced,
+        codec_state=codec_state,
     )
     return new_updates, new_state
 
@@ -226,6 +255,8 @@ def local_sgd(
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
     reduce_fn: Callable[[Any], Any] | None = None,
+    codec: compression.Compressor | compression.Codec | None = None,
+    codec_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
 
@@ -244,6 +275,8 @@ def local_sgd(
       axis_name=axis_name,
       anchor_dtype=anchor_dtype,
       reduce_fn=reduce_fn,
+      codec=codec,
+      codec_seed=codec_seed,
   )
 
 
@@ -268,8 +301,13 @@ def next_step_syncs(
   return steps_since_sync + 1 >= period
 
 
-def pseudo_gradient_bytes(params: Any, dtype: Any = jnp.float32) -> int:
-  """Bytes of one worker's pseudo-gradient payload at ``dtype`` per sync."""
+def pseudo_gradient_bytes(
+    params: Any, dtype: Any = jnp.float32,
+    codec: compression.Compressor | compression.Codec | None = None) -> int:
+  """Bytes one worker sends per sync: its pseudo-gradient at ``dtype``, or
+  the payload of ``codec`` when given."""
+  if codec is not None:
+    return compression.as_compressor(codec).payload_bytes(params)
   size = sum(int(x.size) for x in jax.tree.leaves(params))
   return size * jnp.dtype(dtype).itemsize
 

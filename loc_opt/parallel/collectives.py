@@ -10,11 +10,8 @@ worker (fast links) afterwards.
 """
 
 from collections.abc import Callable, Sequence
-import math
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 
 from loc_opt import compression
 from loc_opt.parallel import mesh as mesh_lib
@@ -43,34 +40,15 @@ def worker_mean(
   Args:
     axis_name: the worker axis.
     spread_over: the within-worker axes to spread each leaf over.
-    codec: a ``loc_opt.compression`` codec; ``None`` sends fp32 values.
+    codec: a ``loc_opt.compression`` codec or stateless compressor; ``None``
+      sends fp32 values.
 
   Returns:
     ``tree -> tree`` computing the mean over workers.
   """
 
-  block = 1 if codec is None else codec.block_size
+  def mean(tree):
+    return compression.compressed_mean(tree, codec, axis_name,
+                                       spread_over=tuple(spread_over))
 
-  def leaf_mean(x):
-    mesh = jax.sharding.get_abstract_mesh()
-    names = getattr(mesh, 'axis_names', ()) or ()
-    axes = tuple(a for a in spread_over if a in names and mesh.shape[a] > 1)
-    if (not axes or x.size < 2) and (codec is None or codec.exact):
-      return jax.lax.pmean(x, axis_name)
-    devices = math.prod(mesh.shape[a] for a in axes)
-    flat = compression.pad_to(x.reshape(-1).astype(jnp.float32),
-                              devices * block)
-    gather = None
-    if axes:
-      flat = jax.lax.with_sharding_constraint(flat, jax.P(axes))
-      # Gather each device's own blocks of the payload across workers: an
-      # all_gather over the worker axis of an auto-sharded value would first
-      # gather it inside the worker and then send it all from every device.
-      gather = jax.shard_map(
-          lambda p: jax.lax.all_gather(p, axis_name),
-          mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(None, axes),
-          axis_names=set(axes))
-    flat = compression.mean_flat(flat, codec, axis_name, gather=gather)
-    return flat[:x.size].reshape(x.shape).astype(x.dtype)
-
-  return lambda tree: jax.tree.map(leaf_mean, tree)
+  return mean

@@ -15,7 +15,6 @@ import optax
 
 from loc_opt import compression
 from loc_opt import outer as outer_lib
-from loc_opt import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +46,32 @@ def check_sync_every(cfg: ml_collections.ConfigDict) -> int:
   return int(h)
 
 
-def _reduce_fn(cfg, axis_name):
-  """The cross-worker mean of pseudo-gradients: spread over the worker's
-  devices, through the configured codec."""
-  codec = compression.make_codec(cfg.get('codec', 'none'))
-  return parallel.worker_mean(axis_name, codec=codec)
+def make_compressor(cfg: ml_collections.ConfigDict) -> compression.Compressor:
+  """The compressor an ``outer`` config section names.
+
+  Fields: ``codec`` (a name of ``loc_opt.compression.make_compressor``),
+  ``codec_kwargs`` (its arguments), ``error_feedback`` (``'none'``, ``'ef'``,
+  ``'ef21'``, ``'econtrol'``), ``econtrol_eta`` and ``compress_min_size``
+  (smaller leaves are sent in fp32 and get no error buffer).
+  """
+  name = cfg.get('codec', 'none')
+  try:
+    scheme = compression.make_compressor(
+        name, field='outer.codec', **dict(cfg.get('codec_kwargs', {})))
+  except TypeError as e:
+    raise ValueError(f'outer.codec_kwargs do not fit codec {name!r}: {e}') \
+        from e
+  mode = cfg.get('error_feedback', 'none')
+  if mode not in compression.FEEDBACK:
+    raise ValueError(f'unknown outer.error_feedback {mode!r}; choose one of '
+                     f'{sorted(compression.FEEDBACK)}')
+  min_size = cfg.get('compress_min_size', 0)
+  if min_size < 0:
+    raise ValueError(f'outer.compress_min_size must be >= 0, got {min_size}')
+  return compression.build_compressor(
+      scheme, error_feedback=mode,
+      econtrol_eta=cfg.get('econtrol_eta', 0.1),
+      eligible=compression.min_size(min_size) if min_size else None)
 
 
 def _build_diloco(cfg, inner, axis_name):
@@ -60,13 +80,22 @@ def _build_diloco(cfg, inner, axis_name):
     outer = optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
   return outer_lib.diloco(inner, sync_every=check_sync_every(cfg),
                           outer=outer, axis_name=axis_name,
-                          reduce_fn=_reduce_fn(cfg, axis_name))
+                          codec=make_compressor(cfg))
 
 
 def _build_local_sgd(cfg, inner, axis_name):
   return outer_lib.local_sgd(inner, sync_every=check_sync_every(cfg),
                              axis_name=axis_name,
-                             reduce_fn=_reduce_fn(cfg, axis_name))
+                             codec=make_compressor(cfg))
+
+
+def _build_compressed_dp(cfg, inner, axis_name):
+  start = cfg.get('compress_start_step', 0)
+  if start < 0:
+    raise ValueError(f'outer.compress_start_step must be >= 0, got {start}')
+  reduce = compression.compressed_all_reduce(
+      make_compressor(cfg), axis_name, start_step=start)
+  return optax.chain(reduce, inner)
 
 
 def _diloco_syncs(cfg, step, steps_since_sync):
@@ -85,6 +114,10 @@ METHODS: Mapping[str, Method] = {
                      eval_params=_diloco_eval, syncs=_diloco_syncs),
     'local_sgd': Method(per_worker=True, build=_build_local_sgd,
                         eval_params=_diloco_eval, syncs=_diloco_syncs),
+    # Data parallel where each worker computes its own gradient and only the
+    # compressed payloads (outer.codec) cross workers, every step.
+    'compressed_data_parallel': Method(per_worker=True,
+                                       build=_build_compressed_dp),
 }
 
 

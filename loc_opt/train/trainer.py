@@ -27,7 +27,6 @@ import ml_collections
 import numpy as np
 import optax
 
-from loc_opt import compression
 from loc_opt import data as data_lib
 from loc_opt import inner as inner_lib
 from loc_opt import models
@@ -82,9 +81,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
     raise ValueError(f'data.seq_len={config.data.seq_len} exceeds '
                      f'model.max_len={config.model.max_len}')
   methods_lib.get_method(config.outer.method)
-  if config.outer.method != 'data_parallel':
+  if methods_lib.get_method(config.outer.method).syncs is not None:
     methods_lib.check_sync_every(config.outer)
-    compression.make_codec(config.outer.get('codec', 'none'))
+  if config.outer.method != 'data_parallel':
+    methods_lib.make_compressor(config.outer)
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
     raise ValueError('model.vocab_size must be >= 256 for byte-level data')

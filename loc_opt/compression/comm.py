@@ -1,0 +1,128 @@
+"""Collectives over the worker axis that send each element across once.
+
+Inside a worker a value is usually replicated over the ``data`` axis (or
+sharded over ``fsdp``). A plain ``lax.pmean`` / ``lax.all_gather`` over the
+worker axis of such a value makes every replica send its own copy across
+workers. :class:`Comm` first spreads the value over the worker's own devices
+(flatten, pad, constrain to ``P(inner axes)``), so each element crosses the
+worker boundary once per worker, and lets GSPMD gather it back inside the
+worker, over the fast links.
+
+The same object works in *simulation mode*: under ``jax.vmap(...,
+axis_name=...)`` (no mesh) every method falls back to the plain collective.
+Compressors receive a :class:`Comm` and never name a mesh axis themselves.
+"""
+
+from collections.abc import Sequence
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# The within-worker axes of `loc_opt.parallel.make_worker_mesh` (kept here
+# to avoid an import cycle; a test checks they agree).
+INNER_AXES = ('data', 'fsdp', 'tensor')
+
+
+def pad_to(flat: jax.Array, multiple: int) -> jax.Array:
+  """Zero-pads a 1-D array to a multiple of ``multiple``."""
+  return jnp.pad(flat, (0, (-flat.size) % multiple))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+  """Collectives over ``axis_name``, spread over the worker's devices.
+
+  Attributes:
+    axis_name: the worker axis (a ``vmap`` axis name or a manual
+      ``shard_map`` mesh axis).
+    spread_over: the within-worker mesh axes to spread values over; those
+      absent from the current mesh (or of size 1) are ignored.
+  """
+
+  axis_name: str = 'worker'
+  spread_over: Sequence[str] = INNER_AXES
+
+  # ---------------------------------------------------------------- mesh ---
+  def inner_axes(self) -> tuple[str, ...]:
+    """The ``spread_over`` axes of the current (abstract) mesh, size > 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, 'axis_names', ()) or ()
+    return tuple(a for a in self.spread_over
+                 if a in names and mesh.shape[a] > 1)
+
+  def inner_devices(self) -> int:
+    """Devices per worker that values are spread over (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in self.inner_axes())
+
+  def size(self) -> int:
+    """Number of workers."""
+    return jax.lax.axis_size(self.axis_name)
+
+  def index(self) -> jax.Array:
+    """This worker's index along the worker axis."""
+    return jax.lax.axis_index(self.axis_name)
+
+  def spread(self, flat: jax.Array, multiple: int = 1) -> jax.Array:
+    """Pads ``flat`` to ``multiple * inner_devices`` and shards it over them.
+
+    Encoding a spread value runs block-parallel on the worker's devices, and
+    the payload it yields is already spread for :meth:`all_gather`.
+    """
+    axes = self.inner_axes()
+    flat = pad_to(flat, multiple * self.inner_devices())
+    if axes:
+      flat = jax.lax.with_sharding_constraint(flat, jax.P(axes))
+    return flat
+
+  # --------------------------------------------------------- collectives ---
+  def _spread_leaf(self, x, collective):
+    """Runs ``collective(flat)`` on ``x`` flattened and spread."""
+    axes = self.inner_axes()
+    if not axes or x.size < 2:
+      return collective(x)
+    flat = self.spread(x.reshape(-1))
+    out = collective(flat)
+    return out[:x.size].reshape(x.shape)
+
+  def pmean(self, tree: Any) -> Any:
+    """Mean over workers; each element crosses workers once per worker."""
+    return jax.tree.map(
+        lambda x: self._spread_leaf(
+            x, lambda v: jax.lax.pmean(v, self.axis_name)), tree)
+
+  def psum(self, tree: Any) -> Any:
+    """Sum over workers; each element crosses workers once per worker."""
+    return jax.tree.map(
+        lambda x: self._spread_leaf(
+            x, lambda v: jax.lax.psum(v, self.axis_name)), tree)
+
+  def pmax(self, tree: Any) -> Any:
+    """Max over workers (meant for scalars such as shared scales)."""
+    return jax.tree.map(lambda x: jax.lax.pmax(x, self.axis_name), tree)
+
+  def all_gather(self, tree: Any) -> Any:
+    """Every worker's copy of each leaf, stacked on a new leading axis.
+
+    Each device sends only its own slice of the (spread) payload: an
+    ``all_gather`` over the worker axis of an automatically sharded value
+    would first gather it inside the worker and then send all of it from
+    every device.
+    """
+    axes = self.inner_axes()
+
+    def leaf(x):
+      if not axes or x.size < 2:
+        return jax.lax.all_gather(x, self.axis_name)
+      mesh = jax.sharding.get_abstract_mesh()
+      flat = self.spread(x.reshape(-1))
+      gathered = jax.shard_map(
+          lambda p: jax.lax.all_gather(p, self.axis_name),
+          mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(None, axes),
+          axis_names=set(axes))(flat)
+      return gathered[:, :x.size].reshape((gathered.shape[0],) + x.shape)
+
+    return jax.tree.map(leaf, tree)

@@ -1,0 +1,420 @@
+"""Compressors: stateful means over workers where only payloads cross.
+
+A :class:`Compressor` averages a pytree over the worker axis through some
+compression scheme and may keep per-worker state (error-feedback buffers,
+warm-start factors, momentum). It is the common shape of every scheme in this
+package:
+
+* :func:`from_codec` turns any stateless :class:`~loc_opt.compression.Codec`
+  into a compressor (all-gather of packed payloads, or an all-reduce of
+  linear payloads);
+* low-rank and other schemes with their own collectives (PowerSGD, TernGrad,
+  DGC) implement ``mean`` directly, usually leaf by leaf with
+  :func:`leafwise`;
+* wrappers add error feedback (:mod:`loc_opt.compression.feedback`) or send
+  some leaves uncompressed (:func:`partition`).
+
+Two users sit on top: :func:`compressed_all_reduce`, a gradient
+transformation for data-parallel training, and ``loc_opt.diloco(...,
+codec=...)`` for pseudo-gradients.
+
+Contract of ``mean(tree, state, comm, key) -> (mean, transmitted, state)``:
+
+* ``tree`` is this worker's value; ``mean`` (float32 leaves) is identical on
+  every worker;
+* ``transmitted`` is this worker's value as the scheme reconstructs it from
+  what was sent (what error feedback subtracts), float32;
+* ``key`` is a PRNG key identical on all workers (schemes that need
+  independent draws fold in ``comm.index()``);
+* collectives go through ``comm`` (:class:`~loc_opt.compression.comm.Comm`)
+  only, so the same code runs under ``vmap`` and ``shard_map``.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from loc_opt.compression import codecs as codecs_lib
+from loc_opt.compression import comm as comm_lib
+
+Eligible = Callable[[tuple[Any, ...], Any], bool]
+
+
+class Compressor(NamedTuple):
+  """A mean over workers through a compression scheme.
+
+  Attributes:
+    name: a readable name, e.g. ``'ef(topk)'``.
+    init: ``tree -> state`` for one worker (``tree`` may hold
+      ``jax.ShapeDtypeStruct`` leaves).
+    mean: ``(tree, state, comm, key) -> (mean, transmitted, state)``; see the
+      module docstring.
+    payload_bytes: ``tree -> int``, the bytes one worker sends per call
+      (operands of its cross-worker collectives), from the leaf shapes.
+  """
+
+  name: str
+  init: Callable[[Any], Any]
+  mean: Callable[..., tuple[Any, Any, Any]]
+  payload_bytes: Callable[[Any], int]
+
+
+def f32(tree: Any) -> Any:
+  """Casts every leaf to float32."""
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def leafwise(
+    name: str,
+    mean_leaf: Callable[..., tuple[jax.Array, jax.Array, Any]],
+    bytes_leaf: Callable[[tuple[int, ...]], int],
+    init_leaf: Callable[[Any], Any] = lambda x: (),
+) -> Compressor:
+  """A compressor that treats each leaf on its own.
+
+  Args:
+    name: the compressor's name.
+    mean_leaf: ``(x, state, comm, key) -> (mean, transmitted, state)`` for one
+      leaf; ``key`` is already specific to the leaf.
+    bytes_leaf: ``shape -> bytes`` one worker sends for a leaf of that shape.
+    init_leaf: ``x -> state`` for one leaf.
+
+  Returns:
+    The compressor; its state is a tuple with one entry per leaf.
+  """
+
+  def init(tree):
+    return tuple(init_leaf(x) for x in jax.tree.leaves(tree))
+
+  def mean(tree, state, comm, key):
+    leaves, treedef = jax.tree.flatten(tree)
+    means, sent, new = [], [], []
+    for i, (x, s) in enumerate(zip(leaves, state, strict=True)):
+      m, t, s = mean_leaf(x, s, comm, jax.random.fold_in(key, i))
+      means.append(m)
+      sent.append(t)
+      new.append(s)
+    return (treedef.unflatten(means), treedef.unflatten(sent), tuple(new))
+
+  def payload_bytes(tree):
+    return int(sum(bytes_leaf(tuple(x.shape)) for x in jax.tree.leaves(tree)))
+
+  return Compressor(name, init, mean, payload_bytes)
+
+
+def from_codec(codec: codecs_lib.Codec) -> Compressor:
+  """The mean over workers of a tree sent through ``codec``.
+
+  All leaves are flattened into one float32 buffer (as gradient buckets do),
+  padded to the codec's block size times the worker's device count, spread
+  over the worker's devices and encoded there, so padding costs at most one
+  block per device for the whole tree. Linear codecs (the identity, random-k
+  with a shared mask) average the payloads with an all-reduce and decode
+  once; the others all-gather the packed payloads, and every worker decodes
+  all of them and averages, so all workers get the same mean.
+
+  Args:
+    codec: the wire format.
+
+  Returns:
+    A stateless compressor.
+  """
+
+  def mean(tree, state, comm, key):
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      return tree, tree, state
+    sizes = [int(jnp.size(x)) for x in leaves]
+    flat = jnp.concatenate(
+        [jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    flat = comm.spread(flat, codec.block_size)
+    n = flat.size
+    enc_key = key
+    if codec.randomness == 'per_worker':
+      enc_key = jax.random.fold_in(key, comm.index())
+    payload = codec.encode(flat, enc_key)
+    own = codec.decode(payload, n, key)
+    if codec.linear:
+      avg = codec.decode(comm.pmean(payload), n, key)
+    else:
+      gathered = comm.all_gather(payload)
+      avg = jnp.mean(
+          jax.vmap(lambda p: codec.decode(p, n, key))(gathered), axis=0)
+
+    def split(v):
+      out, start = [], 0
+      for x, size in zip(leaves, sizes):
+        out.append(v[start:start + size].reshape(jnp.shape(x)))
+        start += size
+      return treedef.unflatten(out)
+
+    return split(avg), split(own), state
+
+  def payload_bytes(tree):
+    n = sum(_size(x) for x in jax.tree.leaves(tree))
+    return codec.payload_bytes(n) if n else 0
+
+  return Compressor(codec.name, lambda tree: (), mean, payload_bytes)
+
+
+def as_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:
+  """A compressor from a compressor, a codec, or ``None`` (fp32 mean)."""
+  if scheme is None:
+    return from_codec(codecs_lib.identity())
+  if isinstance(scheme, codecs_lib.Codec):
+    return from_codec(scheme)
+  if isinstance(scheme, Compressor):
+    return scheme
+  raise TypeError(f'expected a Compressor or Codec, got {type(scheme)}')
+
+
+def min_size(size: int) -> Eligible:
+  """An eligibility predicate: leaves with at least ``size`` elements."""
+  def eligible(path, x):
+    del path
+    n = 1
+    for d in x.shape:
+      n *= d
+    return n >= size
+  return eligible
+
+
+def matrices(path, x) -> bool:
+  """An eligibility predicate: leaves with two or more dimensions."""
+  del path
+  return len(x.shape) >= 2
+
+
+def partition(compressor: Compressor, eligible: Eligible | None) -> Compressor:
+  """Sends eligible leaves through ``compressor``, the others in fp32.
+
+  Ineligible leaves (small ones, biases, norms) take a plain mean and get no
+  state, in particular no error-feedback buffer (the PowerSGD hook keeps one
+  for them, which accumulates a zero-mean random walk).
+
+  Args:
+    compressor: the scheme for eligible leaves.
+    eligible: ``(key_path, leaf) -> bool``, decided from shapes and paths
+      only; ``None`` makes every leaf eligible.
+
+  Returns:
+    The compressor.
+  """
+  if eligible is None:
+    return compressor
+
+  def split(tree):
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    mask = [bool(eligible(p, x)) for p, x in with_path]
+    leaves = [x for _, x in with_path]
+    return leaves, mask, treedef
+
+  def init(tree):
+    leaves, mask, _ = split(tree)
+    return compressor.init([x for x, m in zip(leaves, mask) if m])
+
+  def mean(tree, state, comm, key):
+    leaves, mask, treedef = split(tree)
+    chosen = [x for x, m in zip(leaves, mask) if m]
+    rest = [jnp.asarray(x, jnp.float32) for x, m in zip(leaves, mask)
+            if not m]
+    means, sent, state = compressor.mean(chosen, state, comm, key)
+    rest_means = comm.pmean(rest)
+    it_c, it_s, it_r, it_x = iter(means), iter(sent), iter(rest_means), \
+        iter(rest)
+    out_mean = [next(it_c) if m else next(it_r) for m in mask]
+    out_sent = [next(it_s) if m else next(it_x) for m in mask]
+    return treedef.unflatten(out_mean), treedef.unflatten(out_sent), state
+
+  def payload_bytes(tree):
+    leaves, mask, _ = split(tree)
+    plain = sum(4 * _size(x) for x, m in zip(leaves, mask) if not m)
+    return compressor.payload_bytes(
+        [x for x, m in zip(leaves, mask) if m]) + plain
+
+  return Compressor(f'partition({compressor.name})', init, mean,
+                    payload_bytes)
+
+
+def _size(x) -> int:
+  n = 1
+  for d in x.shape:
+    n *= d
+  return n
+
+
+def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
+                    axis_name: str, *, key: jax.Array | None = None,
+                    spread_over=comm_lib.INNER_AXES) -> Any:
+  """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
+
+  For schemes with state (error feedback, PowerSGD warm starts) use
+  :func:`compressed_all_reduce` or ``loc_opt.diloco(..., codec=...)``, which
+  carry it across steps; here any state starts fresh and is dropped.
+
+  Args:
+    tree: this worker's pytree of float arrays.
+    scheme: a compressor or codec; ``None`` is the fp32 mean.
+    axis_name: the worker axis.
+    key: PRNG key identical on all workers (default: ``key(0)``).
+    spread_over: within-worker mesh axes to spread payloads over.
+
+  Returns:
+    The mean, same structure, shapes and dtypes, identical on all workers.
+  """
+  compressor = as_compressor(scheme)
+  comm = comm_lib.Comm(axis_name, spread_over)
+  key = jax.random.key(0) if key is None else key
+  mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
+  return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)
+
+
+def build_compressor(
+    scheme: 'Compressor | codecs_lib.Codec | None',
+    *,
+    error_feedback: str = 'none',
+    econtrol_eta: float = 0.1,
+    eligible: Eligible | None = None,
+) -> Compressor:
+  """``scheme`` wrapped in error feedback, applied to eligible leaves only.
+
+  Args:
+    scheme: a compressor or codec (``None``: fp32 mean).
+    error_feedback: ``'none'``, ``'ef'``, ``'ef21'`` or ``'econtrol'``.
+    econtrol_eta: EControl's feedback strength.
+    eligible: ``(path, leaf) -> bool``; other leaves take an fp32 mean and
+      get no error buffer. ``None``: every leaf.
+
+  Returns:
+    The compressor.
+  """
+  from loc_opt.compression import feedback  # pylint: disable=g-import-not-at-top
+  return partition(
+      feedback.with_feedback(as_compressor(scheme), error_feedback,
+                             eta=econtrol_eta), eligible)
+
+
+# ------------------------------------------------------------ transform ---
+class CompressedAllReduceState(NamedTuple):
+  """State of :func:`compressed_all_reduce`.
+
+  Attributes:
+    count: int32 scalar, calls so far.
+    compressor: the compressor's per-worker state (e.g. error buffers).
+  """
+
+  count: jax.Array  # int32 []
+  compressor: Any
+
+
+def compressed_all_reduce(
+    scheme: 'Compressor | codecs_lib.Codec',
+    axis_name: str = 'worker',
+    *,
+    error_feedback: str = 'none',
+    econtrol_eta: float = 0.1,
+    eligible: Eligible | None = None,
+    start_step: int = 0,
+    seed: int = 0,
+    spread_over=comm_lib.INNER_AXES,
+) -> optax.GradientTransformation:
+  r"""Averages gradients over workers through a compression scheme.
+
+  Put it first in a chain, before the optimizer, to train data-parallel with
+  compressed gradients: every worker computes its own gradient (the step runs
+  per worker under ``jax.shard_map`` or ``jax.vmap`` over ``axis_name``),
+  and only the compressed payloads cross workers::
+
+    tx = optax.chain(
+        compressed_all_reduce(compression.int8(), 'worker',
+                              error_feedback='ef'),
+        optax.adamw(1e-3))
+
+  Args:
+    scheme: a :class:`Compressor` or codec.
+    axis_name: the worker axis.
+    error_feedback: ``'none'``, ``'ef'`` (Seide et al. 2014; Karimireddy et
+      al. 2019), ``'ef21'`` (Richtárik et al. 2021) or ``'econtrol'`` (Gao et
+      al. 2023); see :mod:`loc_opt.compression.feedback`.
+    econtrol_eta: EControl's feedback strength.
+    eligible: leaves to compress (``(path, leaf) -> bool``); the rest are
+      averaged in fp32 and get no error-feedback state. ``None``: all.
+    start_step: steps before this one use the plain fp32 mean (PowerSGD and
+      DGC start compressing after a warmup).
+    seed: seed of the keys shared by all workers (random-k masks, PowerSGD's
+      first query); per-worker draws fold in the worker index.
+    spread_over: within-worker mesh axes over which payloads are spread.
+
+  Returns:
+    A gradient transformation whose output is the mean gradient, identical on
+    all workers, in the gradients' dtypes.
+  """
+  compressor = build_compressor(scheme, error_feedback=error_feedback,
+                                econtrol_eta=econtrol_eta, eligible=eligible)
+  comm = comm_lib.Comm(axis_name, spread_over)
+  if start_step < 0:
+    raise ValueError(f'start_step must be >= 0, got {start_step}')
+
+  def init_fn(params):
+    return CompressedAllReduceState(
+        count=jnp.zeros([], jnp.int32), compressor=compressor.init(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    key = jax.random.fold_in(jax.random.key(seed), state.count)
+
+    def compressed(_):
+      mean, _, new = compressor.mean(updates, state.compressor, comm, key)
+      return mean, new
+
+    def plain(_):
+      return f32(comm.pmean(updates)), state.compressor
+
+    if start_step > 0:
+      mean, new = jax.lax.cond(state.count < start_step, plain, compressed,
+                               None)
+    else:
+      mean, new = compressed(None)
+    mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, updates)
+    return mean, CompressedAllReduceState(
+        optax.safe_increment(state.count), new)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ------------------------------------------------------------- registry ---
+COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
+
+
+def register(name: str, factory: Callable[..., Compressor]) -> None:
+  """Adds a compressor factory to :data:`COMPRESSORS`."""
+  COMPRESSORS[name] = factory
+
+
+def make_compressor(name: str, *, field: str = 'codec',
+                    **kwargs: Any) -> Compressor:
+  """A compressor by name: a registered scheme or any codec of ``CODECS``.
+
+  Args:
+    name: the registry name (``'int8'``, ``'powersgd'``, ...).
+    field: the config field that named it, for error messages.
+    **kwargs: the factory's arguments.
+
+  Returns:
+    The compressor.
+  """
+  if name in COMPRESSORS:
+    return COMPRESSORS[name](**kwargs)
+  if name in codecs_lib.CODECS:
+    return from_codec(codecs_lib.CODECS[name](**kwargs))
+  known = sorted(set(COMPRESSORS) | set(codecs_lib.CODECS))
+  raise ValueError(f'unknown codec {name!r} (field {field}); choose one of '
+                   f'{known}')
+
+
+def known_compressors() -> Mapping[str, Any]:
+  """Every name :func:`make_compressor` accepts."""
+  return {**{k: v for k, v in codecs_lib.CODECS.items()}, **COMPRESSORS}
