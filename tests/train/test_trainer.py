@@ -181,3 +181,40 @@ def test_int8_codec_sync_moves_a_quarter_of_the_fp32_bytes(data_dir):
   # blocks on each of the worker's 2 devices.
   assert n * (1 + 4 / 256) <= per_worker <= 1.1 * n * (1 + 4 / 256)
   assert per_worker < 0.3 * 4 * n
+
+
+def test_compressed_data_parallel_sends_the_payload_every_step(data_dir,
+                                                               tmp_path):
+  config = tiny_config(data_dir, **{
+      'outer.method': 'compressed_data_parallel', 'outer.codec': 'int8',
+      'outer.error_feedback': 'ef', 'num_steps': 4})
+  exp = trainer_lib.build_experiment(config)
+  assert set(exp.programs.bytes_per_step) == {False}
+  per_worker = exp.programs.bytes_per_step[False] / config.mesh.workers
+  params = jax.eval_shape(exp.model.init, jax.random.key(0))
+  expected = train.methods.make_compressor(config.outer).payload_bytes(
+      params)
+  assert expected <= per_worker <= 1.1 * expected
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['syncs'] == 0
+  assert summary['cross_worker_bytes'] == 4 * exp.programs.bytes_per_step[
+      False]
+  # every worker applied the same mean gradient: replicas stay identical
+  for x in jax.tree.leaves(summary['state']['params']):
+    for m in range(1, config.mesh.workers):
+      np.testing.assert_array_equal(np.asarray(x[m]), np.asarray(x[0]))
+  assert np.isfinite(summary['final_eval_loss'])
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('outer.codec', 'int3', 'outer.codec'),
+    ('outer.error_feedback', 'ef3', 'outer.error_feedback'),
+    ('outer.codec_kwargs', {'bits': 3}, 'outer.codec_kwargs'),
+    ('outer.compress_min_size', -1, 'outer.compress_min_size'),
+])
+def test_bad_compression_fields_raise_clear_errors(data_dir, tmp_path, field,
+                                                  value, match):
+  config = tiny_config(data_dir, **{field: value})
+  with pytest.raises(ValueError, match=match):
+    train.train_and_evaluate(config, tmp_path)
+  assert not (tmp_path / 'checkpoints').exists()

@@ -1,0 +1,137 @@
+r"""Final eval loss against cross-worker bytes, with and without compression.
+
+Trains the config's LM at equal tokens (same data, batch and steps) with
+
+* data parallelism: fp32 all-reduce, and every-step compressed means of the
+  gradients (int8, PowerSGD rank 4, top-k 1% with error feedback);
+* DiLoCo (H = --config.outer.sync_every): fp32, int8, fp4 (e3m0) and top-k
+  3% with 2-bit values and error feedback on the pseudo-gradients;
+
+reads each run's cross-worker bytes from its compiled programs, and writes a
+markdown table (``results.md``), the raw summaries (``results.json``) and a
+plot of loss against bytes (``loss_vs_bytes.png``) to --workdir.
+
+  python -m experiments.compression_tradeoff --workdir=/tmp/compression \
+    [--runs=dp,dp_int8,...] [--config.num_steps=300]
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8,
+                                    'Virtual CPU devices.')
+flags.mark_flag_as_required('workdir')
+
+_CDP = 'compressed_data_parallel'
+# name -> (label, family, overrides of the config's `outer` section)
+RUNS = {
+    'dp': ('data-parallel, fp32', 'data-parallel',
+           {'method': 'data_parallel'}),
+    'dp_int8': ('data-parallel, int8', 'data-parallel',
+                {'method': _CDP, 'codec': 'int8'}),
+    'dp_powersgd': ('data-parallel, PowerSGD r=4', 'data-parallel',
+                    {'method': _CDP, 'codec': 'powersgd',
+                     'codec_kwargs': {'rank': 4}}),
+    'dp_topk': ('data-parallel, top-1% + EF', 'data-parallel',
+                {'method': _CDP, 'codec': 'topk',
+                 'codec_kwargs': {'density': 0.01, 'chunk': 4096},
+                 'error_feedback': 'ef'}),
+    'diloco': ('DiLoCo, fp32', 'DiLoCo', {'method': 'diloco'}),
+    'diloco_int8': ('DiLoCo, int8', 'DiLoCo',
+                    {'method': 'diloco', 'codec': 'int8'}),
+    'diloco_fp4': ('DiLoCo, fp4 e3m0', 'DiLoCo',
+                   {'method': 'diloco', 'codec': 'fp4_e3m0'}),
+    'diloco_topk2bit': ('DiLoCo, top-3% 2-bit + EF', 'DiLoCo',
+                        {'method': 'diloco', 'codec': 'topk',
+                         'codec_kwargs': {'density': 0.03, 'chunk': 4096,
+                                          'value_codec': 'two_bit'},
+                         'error_feedback': 'ef'}),
+}
+
+
+def _plot(rows, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for family, marker in (('data-parallel', 'o'), ('DiLoCo', 's')):
+    pts = [r for r in rows if r['family'] == family]
+    ax.scatter([r['cross_worker_bytes'] for r in pts],
+               [r['final_eval_loss'] for r in pts], marker=marker,
+               label=family)
+    for r in pts:
+      ax.annotate(r['label'].split(', ', 1)[-1],
+                  (r['cross_worker_bytes'], r['final_eval_loss']),
+                  textcoords='offset points', xytext=(4, 4), fontsize=8)
+  ax.set_xscale('log')
+  ax.set_xlabel('cross-worker bytes, whole run (all devices)')
+  ax.set_ylabel('final eval loss')
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from loc_opt import train  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
+
+  names = _RUNS.value or list(RUNS)
+  unknown = sorted(set(names) - set(RUNS))
+  if unknown:
+    raise app.UsageError(f'unknown --runs {unknown}; choose from {list(RUNS)}')
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  rows = []
+  for name in names:
+    label, family, overrides = RUNS[name]
+    c = ml_collections.ConfigDict(_CONFIG.value.to_dict())
+    for key, value in overrides.items():
+      c.outer[key] = value
+    s = train.train_and_evaluate(c, os.path.join(_WORKDIR.value, name))
+    s.pop('state')
+    s.update(name=name, label=label, family=family)
+    rows.append(s)
+    print(f'{label}: loss {s["final_eval_loss"]:.4f}, '
+          f'{metrics.format_bytes(s["cross_worker_bytes"])}', flush=True)
+
+  c = _CONFIG.value
+  tokens = c.num_steps * c.batch_size * c.data.seq_len
+  fp32 = {r['family']: r['cross_worker_bytes'] for r in rows
+          if r['name'] in ('dp', 'diloco')}
+  lines = [
+      f'{c.num_steps} steps x {c.batch_size} x {c.data.seq_len} = '
+      f'{tokens:,} tokens; {c.mesh.workers} workers x '
+      f'{c.mesh.data * c.mesh.fsdp * c.mesh.tensor} devices; DiLoCo '
+      f'H = {c.outer.sync_every}', '',
+      '| run | final eval loss | cross-worker bytes | vs fp32 of its family |',
+      '|---|---|---|---|']
+  for r in rows:
+    ref = fp32.get(r['family'])
+    ratio = f'{ref / r["cross_worker_bytes"]:.1f}x less' if ref else '-'
+    lines.append(f'| {r["label"]} | {r["final_eval_loss"]:.4f} | '
+                 f'{r["cross_worker_bytes"]:,} | {ratio} |')
+  table = '\n'.join(lines)
+  print('\n' + table)
+  with open(os.path.join(_WORKDIR.value, 'results.md'), 'w') as f:
+    f.write(table + '\n')
+  with open(os.path.join(_WORKDIR.value, 'results.json'), 'w') as f:
+    json.dump(rows, f, indent=2, default=str)
+  _plot(rows, os.path.join(_WORKDIR.value, 'loss_vs_bytes.png'))
+
+
+if __name__ == '__main__':
+  app.run(main)
