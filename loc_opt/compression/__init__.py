@@ -8,13 +8,18 @@
 * :mod:`~loc_opt.compression.feedback`: error feedback (EF, EF21, EControl).
 * :mod:`~loc_opt.compression.comm`: collectives that spread payloads over a
   worker's devices so each element crosses workers once.
+* Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
+  :mod:`~loc_opt.compression.sparse` (top-k, random-k),
+  :mod:`~loc_opt.compression.dct` (chunked DCT for DeMo/SparseLoCo).
+* Compressors: :mod:`~loc_opt.compression.powersgd`,
+  :mod:`~loc_opt.compression.terngrad`, :mod:`~loc_opt.compression.dgc`,
+  :mod:`~loc_opt.compression.lgreco` (layer-wise levels).
+* :mod:`~loc_opt.compression.registry`: everything by name.
 """
 
 from loc_opt.compression.codecs import Codec
-from loc_opt.compression.codecs import CODECS
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.codecs import int8
-from loc_opt.compression.codecs import make_codec
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
 from loc_opt.compression.compressor import as_compressor
@@ -23,10 +28,8 @@ from loc_opt.compression.compressor import compressed_all_reduce
 from loc_opt.compression.compressor import compressed_mean
 from loc_opt.compression.compressor import CompressedAllReduceState
 from loc_opt.compression.compressor import Compressor
-from loc_opt.compression.compressor import COMPRESSORS
 from loc_opt.compression.compressor import from_codec
 from loc_opt.compression.compressor import leafwise
-from loc_opt.compression.compressor import make_compressor
 from loc_opt.compression.compressor import matrices
 from loc_opt.compression.compressor import min_size
 from loc_opt.compression.compressor import partition
@@ -35,3 +38,19 @@ from loc_opt.compression.feedback import econtrol
 from loc_opt.compression.feedback import error_feedback
 from loc_opt.compression.feedback import FEEDBACK
 from loc_opt.compression.feedback import with_feedback
+from loc_opt.compression.dgc import dgc_warmup_ratio
+from loc_opt.compression.lgreco import lgreco_errors
+from loc_opt.compression.lgreco import lgreco_plan
+from loc_opt.compression.lgreco import lgreco_replan
+from loc_opt.compression.lgreco import per_leaf
+from loc_opt.compression.quant import fp4_codec
+from loc_opt.compression.quant import fp8_codec
+from loc_opt.compression.quant import int4_codec
+from loc_opt.compression.quant import int8_codec
+from loc_opt.compression.quant import two_bit_codec
+from loc_opt.compression.registry import CODECS
+from loc_opt.compression.registry import COMPRESSORS
+from loc_opt.compression.registry import make_codec
+from loc_opt.compression.registry import make_compressor
+from loc_opt.compression.sparse import randomk_codec
+from loc_opt.compression.sparse import topk_codec

@@ -15,7 +15,7 @@ References:
   Quantization*, 2022 (block-wise absmax scaling).
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 import math
 from typing import Any, NamedTuple
 
@@ -104,17 +104,3 @@ def int8(block_size: int = 256) -> Codec:
       payload_bytes=lambda n: n + 4 * math.ceil(n / block_size),
       block_size=block_size,
   )
-
-
-CODECS: Mapping[str, Callable[..., Codec]] = {
-    'none': identity,
-    'int8': int8,
-}
-
-
-def make_codec(name: str, **kwargs: Any) -> Codec:
-  """Looks ``name`` up in :data:`CODECS`."""
-  if name not in CODECS:
-    raise ValueError(f'unknown codec {name!r} (field outer.codec); choose one '
-                     f'of {sorted(CODECS)}')
-  return CODECS[name](**kwargs)

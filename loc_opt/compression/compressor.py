@@ -30,7 +30,7 @@ Contract of ``mean(tree, state, comm, key) -> (mean, transmitted, state)``:
   only, so the same code runs under ``vmap`` and ``shard_map``.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -383,38 +383,3 @@ def compressed_all_reduce(
         optax.safe_increment(state.count), new)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-# ------------------------------------------------------------- registry ---
-COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
-
-
-def register(name: str, factory: Callable[..., Compressor]) -> None:
-  """Adds a compressor factory to :data:`COMPRESSORS`."""
-  COMPRESSORS[name] = factory
-
-
-def make_compressor(name: str, *, field: str = 'codec',
-                    **kwargs: Any) -> Compressor:
-  """A compressor by name: a registered scheme or any codec of ``CODECS``.
-
-  Args:
-    name: the registry name (``'int8'``, ``'powersgd'``, ...).
-    field: the config field that named it, for error messages.
-    **kwargs: the factory's arguments.
-
-  Returns:
-    The compressor.
-  """
-  if name in COMPRESSORS:
-    return COMPRESSORS[name](**kwargs)
-  if name in codecs_lib.CODECS:
-    return from_codec(codecs_lib.CODECS[name](**kwargs))
-  known = sorted(set(COMPRESSORS) | set(codecs_lib.CODECS))
-  raise ValueError(f'unknown codec {name!r} (field {field}); choose one of '
-                   f'{known}')
-
-
-def known_compressors() -> Mapping[str, Any]:
-  """Every name :func:`make_compressor` accepts."""
-  return {**{k: v for k, v in codecs_lib.CODECS.items()}, **COMPRESSORS}

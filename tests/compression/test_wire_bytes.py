@@ -1,0 +1,121 @@
+"""Every registered scheme, by name: runs, and moves what it claims.
+
+For each codec and compressor of the registry, a data-parallel step with
+``compressed_all_reduce`` is compiled on a 4-worker x 2-device mesh, and the
+cross-worker bytes read from the compiled HLO are compared with the scheme's
+theoretical payload (``payload_bytes``) and with fp32.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loc_opt import compression
+from loc_opt import parallel
+
+W = 4
+# A weight matrix, its bias and a norm scale: 33,024 parameters.
+SHAPES = {'w': (128, 256), 'b': (256,), 'scale': (128,)}
+N = sum(int(np.prod(s)) for s in SHAPES.values())
+
+# name -> (factory kwargs, most bytes per worker as a fraction of fp32)
+SCHEMES = {
+    'none': ({}, 1.0),
+    'int8': ({}, 0.26),
+    'int8_sr': ({}, 0.26),
+    'int4': ({}, 0.14),
+    'int4_sr': ({}, 0.14),
+    'fp8_e4m3': ({}, 0.26),
+    'fp8_e4m3_sr': ({}, 0.26),
+    'fp8_e5m2': ({}, 0.26),
+    'fp8_e5m2_sr': ({}, 0.26),
+    'fp4_e2m1': ({}, 0.14),
+    'fp4_e2m1_sr': ({}, 0.14),
+    'fp4_e3m0': ({}, 0.14),
+    'fp4_e3m0_sr': ({}, 0.14),
+    'two_bit': ({}, 0.09),
+    'topk': ({'density': 0.01}, 0.03),
+    'topk_chunked': ({'density': 0.01, 'chunk': 256}, 0.02),
+    'randomk': ({'density': 0.01}, 0.02),
+    'terngrad': ({}, 0.07),
+    'powersgd': ({'rank': 2}, 0.04),
+    'dgc': ({'density': 0.01}, 0.03),
+}
+
+
+def test_every_registered_name_is_covered():
+  assert set(SCHEMES) == set(compression.CODECS) | set(compression.COMPRESSORS)
+
+
+def _params():
+  return {k: jnp.zeros(s) for k, s in SHAPES.items()}
+
+
+def _per_worker_grads():
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, (W,) + s)
+          for key, (k, s) in zip(keys, SHAPES.items())}
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return parallel.make_worker_mesh(W, data=2)
+
+
+@pytest.mark.parametrize('name', sorted(SCHEMES))
+def test_scheme_moves_its_payload_across_workers(name, mesh):
+  kwargs, ratio = SCHEMES[name]
+  scheme = compression.make_compressor(name, **kwargs)
+  tx = compression.compressed_all_reduce(scheme, 'worker')
+  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (W,) + x.shape),
+                        _params())
+  sharding = jax.NamedSharding(mesh, jax.P('worker'))
+  params = jax.device_put(params, sharding)
+  grads = jax.device_put(_per_worker_grads(), sharding)
+  state = jax.jit(jax.vmap(tx.init))(params)
+  step = jax.jit(parallel.shard_map_workers(tx.update, mesh))
+  report = parallel.collective_bytes(
+      step.lower(grads, state, params).compile(), mesh)
+  theory = scheme.payload_bytes(_params())
+  sent = report.cross_worker_bytes_per_worker
+  assert sent <= 1.1 * theory, (name, sent, theory)
+  assert sent >= 0.9 * theory, (name, sent, theory)
+  assert sent <= ratio * 4 * N, (name, sent / (4 * N))
+
+  mean, _ = step(grads, state, params)
+  sim, _ = jax.jit(jax.vmap(tx.update, axis_name='worker'))(
+      grads, state, params)
+  for k in SHAPES:
+    got = np.asarray(mean[k])
+    assert np.all(np.isfinite(got)), name
+    for m in range(1, W):  # every worker got the same mean
+      np.testing.assert_array_equal(got[m], got[0])
+    np.testing.assert_allclose(got, np.asarray(sim[k]), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_two_bit_top_k_moves_under_a_hundredth_of_fp32(mesh):
+  """The issue's headline: 2-bit values of a 1% top-k with compact indices
+  cost under 1/100 of the fp32 bytes, measured on the wire."""
+  scheme = compression.make_compressor(
+      'topk', density=0.01, chunk=4096, index_dtype='uint12',
+      value_codec='two_bit')
+  tx = compression.compressed_all_reduce(scheme, 'worker',
+                                         error_feedback='ef')
+  shapes = {'w': (512, 512)}
+  params = {'w': jnp.zeros((W, 512, 512))}
+  sharding = jax.NamedSharding(mesh, jax.P('worker'))
+  params = jax.device_put(params, sharding)
+  grads = jax.device_put(
+      {'w': jax.random.normal(jax.random.key(1), (W, 512, 512))}, sharding)
+  state = jax.jit(jax.vmap(tx.init))(params)
+  step = jax.jit(parallel.shard_map_workers(tx.update, mesh))
+  report = parallel.collective_bytes(
+      step.lower(grads, state, params).compile(), mesh)
+  n = 512 * 512
+  theory = scheme.payload_bytes({'w': jax.ShapeDtypeStruct(shapes['w'],
+                                                           jnp.float32)})
+  sent = report.cross_worker_bytes_per_worker
+  assert sent <= 1.1 * theory
+  assert sent < 4 * n / 100, sent / (4 * n)
