@@ -78,6 +78,26 @@ class Comm:
       flat = jax.lax.with_sharding_constraint(flat, jax.P(axes))
     return flat
 
+  def varying(self, tree: Any) -> Any:
+    """Marks every leaf as varying over the worker axis inside shard_map.
+
+    Inside ``jax.shard_map`` a collective's result is typed invariant over the
+    worker axis, while per-worker values are varying; the two branches of a
+    ``lax.cond`` (or a loop carry) must agree. This casts invariant leaves to
+    varying there, and is the identity under ``vmap`` or outside a mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if self.axis_name not in (getattr(mesh, 'manual_axes', ()) or ()):
+      return tree
+
+    def leaf(x):
+      kind = getattr(jax.typeof(x), 'manual_axis_type', None)
+      if kind is not None and self.axis_name in kind.varying:
+        return x
+      return jax.lax.pcast(x, self.axis_name, to='varying')
+
+    return jax.tree.map(leaf, tree)
+
   # --------------------------------------------------------- collectives ---
   def _spread_leaf(self, x, collective):
     """Runs ``collective(flat)`` on ``x`` flattened and spread."""

@@ -368,10 +368,10 @@ def compressed_all_reduce(
 
     def compressed(_):
       mean, _, new = compressor.mean(updates, state.compressor, comm, key)
-      return mean, new
+      return comm.varying((mean, new))
 
     def plain(_):
-      return f32(comm.pmean(updates)), state.compressor
+      return comm.varying((f32(comm.pmean(updates)), state.compressor))
 
     if start_step > 0:
       mean, new = jax.lax.cond(state.count < start_step, plain, compressed,

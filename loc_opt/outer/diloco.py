@@ -205,6 +205,8 @@ def diloco(
       if compressor is not None:
         key = jax.random.fold_in(jax.random.key(codec_seed), state.num_syncs)
         mean, _, codec_state = compressor.mean(delta, codec_state, comm, key)
+        # e.g. PowerSGD's all-reduced query: typed like the per-worker state
+        codec_state = comm.varying(codec_state)
         delta = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
       elif reduce_fn is not None:
         delta = reduce_fn(delta)
