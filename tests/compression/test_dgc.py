@@ -10,7 +10,7 @@ import pytest
 from loc_opt import parallel
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import dgc as dgc_lib
+from loc_opt.compression import deep_gradient as dgc_lib
 
 W = 4
 

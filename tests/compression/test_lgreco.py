@@ -12,7 +12,7 @@ from loc_opt.compression import codecs
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression import lgreco
-from loc_opt.compression import powersgd
+from loc_opt.compression import lowrank as powersgd
 
 W = 4
 

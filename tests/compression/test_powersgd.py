@@ -9,7 +9,7 @@ import pytest
 from loc_opt import parallel
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import powersgd as powersgd_lib
+from loc_opt.compression import lowrank as powersgd_lib
 
 W = 4
 

@@ -8,7 +8,7 @@ import pytest
 from loc_opt import parallel
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import terngrad as terngrad_lib
+from loc_opt.compression import ternary as terngrad_lib
 
 W = 4
 
