@@ -146,3 +146,30 @@ class Comm:
       return gathered[:, :x.size].reshape((gathered.shape[0],) + x.shape)
 
     return jax.tree.map(leaf, tree)
+
+  def all_to_all(self, tree: Any) -> Any:
+    """Exchanges parts: leaf ``[W, ...]`` row ``j`` goes to worker ``j``.
+
+    The result's row ``i`` is what worker ``i`` sent to this worker. Each
+    device sends only its own slice of every row (as :meth:`all_gather`).
+    """
+    axes = self.inner_axes()
+
+    def leaf(x):
+      def exchange(v):
+        return jax.lax.all_to_all(v, self.axis_name, 0, 0, tiled=True)
+
+      w = x.shape[0]
+      flat = x.reshape(w, -1)
+      if not axes or flat.shape[1] < 2:
+        return exchange(flat).reshape(x.shape)
+      mesh = jax.sharding.get_abstract_mesh()
+      m = flat.shape[1]
+      flat = jnp.pad(flat, ((0, 0), (0, (-m) % self.inner_devices())))
+      flat = jax.lax.with_sharding_constraint(flat, jax.P(None, axes))
+      out = jax.shard_map(exchange, mesh=mesh, in_specs=jax.P(None, axes),
+                          out_specs=jax.P(None, axes),
+                          axis_names=set(axes))(flat)
+      return out[:, :m].reshape(x.shape)
+
+    return jax.tree.map(leaf, tree)

@@ -105,23 +105,49 @@ def leafwise(
   return Compressor(name, init, mean, payload_bytes)
 
 
-def from_codec(codec: codecs_lib.Codec) -> Compressor:
+REDUCTIONS = ('gather', 'two_phase')
+
+
+def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
+               workers: int | None = None) -> Compressor:
   """The mean over workers of a tree sent through ``codec``.
 
   All leaves are flattened into one float32 buffer (as gradient buckets do),
-  padded to the codec's block size times the worker's device count, spread
-  over the worker's devices and encoded there, so padding costs at most one
-  block per device for the whole tree. Linear codecs (the identity, random-k
-  with a shared mask) average the payloads with an all-reduce and decode
-  once; the others all-gather the packed payloads, and every worker decodes
-  all of them and averages, so all workers get the same mean.
+  padded to whole blocks on each of the worker's devices, spread over those
+  devices and encoded there, so padding costs at most a few blocks for the
+  whole tree. Linear codecs (the identity, random-k with a shared mask)
+  average the payloads with an all-reduce and decode once. The others:
+
+  * ``reduce='gather'``: all-gather the packed payloads; every worker decodes
+    all of them and averages, so all workers get the same mean. Each worker
+    sends its payload once and receives ``W - 1`` of them.
+  * ``reduce='two_phase'``: split the buffer into ``W`` parts, encode each,
+    exchange them with an all-to-all so that worker ``j`` receives everyone's
+    part ``j`` (a reduce-scatter of packed payloads), decode and average it
+    in fp32, re-encode the average and all-gather the averaged parts. Each
+    worker sends and receives about two payloads whatever ``W``; the price is
+    a second rounding of the averaged values, which error feedback does not
+    see (the spec's aggregation option (c)).
 
   Args:
     codec: the wire format.
+    reduce: ``'gather'`` or ``'two_phase'`` (ignored for linear codecs).
+    workers: the number of workers; required by ``'two_phase'``, whose
+      payload depends on it (checked against the worker axis when traced).
 
   Returns:
     A stateless compressor.
   """
+  if reduce not in REDUCTIONS:
+    raise ValueError(f'unknown reduce {reduce!r}; choose one of '
+                     f'{list(REDUCTIONS)}')
+  two_phase = reduce == 'two_phase' and not codec.linear
+  if two_phase and (workers is None or workers < 1):
+    raise ValueError('reduce=\'two_phase\' needs workers >= 1, got '
+                     f'{workers}')
+
+  def decode_all(payloads, n, key):
+    return jax.vmap(lambda p: codec.decode(p, n, key))(payloads)
 
   def mean(tree, state, comm, key):
     leaves, treedef = jax.tree.flatten(tree)
@@ -130,19 +156,32 @@ def from_codec(codec: codecs_lib.Codec) -> Compressor:
     sizes = [int(jnp.size(x)) for x in leaves]
     flat = jnp.concatenate(
         [jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    flat = comm.spread(flat, codec.block_size)
-    n = flat.size
     enc_key = key
     if codec.randomness == 'per_worker':
       enc_key = jax.random.fold_in(key, comm.index())
-    payload = codec.encode(flat, enc_key)
-    own = codec.decode(payload, n, key)
-    if codec.linear:
-      avg = codec.decode(comm.pmean(payload), n, key)
+    if two_phase:
+      w = comm.size()
+      if w != workers:
+        raise ValueError(f'the worker axis {comm.axis_name!r} has {w} '
+                         f'workers, but the codec was built for {workers}')
+      flat = comm.spread(flat, codec.block_size * w)
+      n = flat.size // w
+      rows = flat.reshape(w, n)
+      parts = jax.vmap(lambda r, j: codec.encode(
+          r, jax.random.fold_in(enc_key, j)))(rows, jnp.arange(w))
+      own = decode_all(parts, n, key).reshape(-1)
+      mine = jnp.mean(decode_all(comm.all_to_all(parts), n, key), axis=0)
+      again = codec.encode(mine, jax.random.fold_in(enc_key, w))
+      avg = decode_all(comm.all_gather(again), n, key).reshape(-1)
     else:
-      gathered = comm.all_gather(payload)
-      avg = jnp.mean(
-          jax.vmap(lambda p: codec.decode(p, n, key))(gathered), axis=0)
+      flat = comm.spread(flat, codec.block_size)
+      n = flat.size
+      payload = codec.encode(flat, enc_key)
+      own = codec.decode(payload, n, key)
+      if codec.linear:
+        avg = codec.decode(comm.pmean(payload), n, key)
+      else:
+        avg = jnp.mean(decode_all(comm.all_gather(payload), n, key), axis=0)
 
     def split(v):
       out, start = [], 0
@@ -155,9 +194,16 @@ def from_codec(codec: codecs_lib.Codec) -> Compressor:
 
   def payload_bytes(tree):
     n = sum(_size(x) for x in jax.tree.leaves(tree))
-    return codec.payload_bytes(n) if n else 0
+    if not n:
+      return 0
+    if not two_phase:
+      return codec.payload_bytes(n)
+    # all-to-all operand (W encoded parts) + the averaged part all-gathered
+    part = -(-n // (codec.block_size * workers)) * codec.block_size
+    return workers * codec.payload_bytes(part) + codec.payload_bytes(part)
 
-  return Compressor(codec.name, lambda tree: (), mean, payload_bytes)
+  name = codec.name if not two_phase else f'{codec.name}/two_phase'
+  return Compressor(name, lambda tree: (), mean, payload_bytes)
 
 
 def as_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:

@@ -51,19 +51,28 @@ def make_codec(name: str, *, field: str = 'outer.codec',
 
 
 def make_compressor(name: str, *, field: str = 'outer.codec',
+                    reduce: str = 'gather', workers: int | None = None,
                     **kwargs: Any) -> Compressor:
   """A compressor by name: one of :data:`COMPRESSORS`, or any codec.
 
   Args:
     name: e.g. ``'int8'``, ``'fp4_e3m0'``, ``'topk'``, ``'powersgd'``.
     field: the config field that named it, for error messages.
+    reduce: for codecs, ``'gather'`` or ``'two_phase'`` (see
+      :func:`~loc_opt.compression.from_codec`); compressors with their own
+      collectives take only ``'gather'``.
+    workers: the worker count, needed by ``'two_phase'``.
     **kwargs: the factory's arguments.
 
   Returns:
     The compressor (stateless for codecs).
   """
   if name in COMPRESSORS:
+    if reduce != 'gather':
+      raise ValueError(f'{name!r} has its own collectives; reduce={reduce!r} '
+                       'applies to codecs only')
     return COMPRESSORS[name](**kwargs)
   if name in CODECS:
-    return compressor_lib.from_codec(make_codec(name, field=field, **kwargs))
+    return compressor_lib.from_codec(make_codec(name, field=field, **kwargs),
+                                     reduce=reduce, workers=workers)
   raise _unknown(name, field, {**CODECS, **COMPRESSORS})

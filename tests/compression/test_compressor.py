@@ -256,3 +256,41 @@ def test_states_are_abstract_friendly():
   state = _abstract(tx)
   assert jax.tree.leaves(state)[0].dtype == jnp.int32
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state)[1:])
+
+
+def test_two_phase_mean_matches_gather_within_two_roundings():
+  codec = compression.int8(block_size=16)
+  gather = compression.from_codec(codec)
+  two = compression.from_codec(codec, reduce='two_phase', workers=W)
+  x = {'w': jax.random.normal(jax.random.key(5), (W, 40, 24))}
+  m1, _, _ = _one_mean(gather, x, ())
+  m2, sent, _ = _one_mean(two, x, ())
+  exact = x['w'].mean(0)
+  step = float(jnp.abs(x['w']).max()) / 127
+  for m in range(W):
+    np.testing.assert_array_equal(m2['w'][m], m2['w'][0])
+  assert float(jnp.abs(m1['w'][0] - exact).max()) <= step / 2 * 1.01
+  assert float(jnp.abs(m2['w'][0] - exact).max()) <= step * 1.01
+  assert float(jnp.abs(sent['w'] - x['w']).max()) <= step / 2 * 1.01
+  with pytest.raises(ValueError, match='workers'):
+    compression.from_codec(codec, reduce='two_phase')
+  with pytest.raises(ValueError, match='built for 3'):
+    _one_mean(compression.from_codec(codec, reduce='two_phase', workers=3),
+              x, ())
+
+
+def test_two_phase_sends_about_two_payloads_whatever_the_workers():
+  mesh = parallel.make_worker_mesh(W, data=2)
+  codec = compression.int8(block_size=256)
+  scheme = compression.from_codec(codec, reduce='two_phase', workers=W)
+  tx = compression.compressed_all_reduce(scheme, 'worker')
+  fn, args = _mesh_step(tx, mesh, n=32768)
+  report = parallel.collective_bytes(fn.lower(*args).compile(), mesh)
+  expected = scheme.payload_bytes(jax.tree.map(lambda x: x[0], args[2]))
+  sent = report.cross_worker_bytes_per_worker
+  assert expected <= sent <= 1.1 * expected, (sent, expected)
+  assert 'all-to-all' in report.by_kind(cross_worker=True)
+  got, _ = fn(*args)
+  want, _ = jax.jit(jax.vmap(tx.update, axis_name='worker'))(*args)
+  for k in got:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
