@@ -1,6 +1,6 @@
 """Inner optimizers and the registry the launcher resolves names in.
 
-* SPAM and Stable-SPAM (:mod:`~loc_opt.inner.spam`) and their composable
+* SPAM and Stable-SPAM (:mod:`~loc_opt.inner.spike_aware`) and their composable
   pieces (:mod:`~loc_opt.inner.clipping`): ``reset_every``,
   ``clip_by_moment_ratio``, ``adaptive_max_clip``, ``adaptive_grad_norm``.
 * :func:`make_optimizer` / :data:`OPTIMIZERS`: every optimizer by name.
@@ -12,9 +12,9 @@ from loc_opt.inner.clipping import clip_by_moment_ratio
 from loc_opt.inner.clipping import reset_every
 from loc_opt.inner.registry import make_optimizer
 from loc_opt.inner.registry import OPTIMIZERS
-from loc_opt.inner.spam import scale_by_spam
-from loc_opt.inner.spam import scale_by_stable_spam
-from loc_opt.inner.spam import spam
-from loc_opt.inner.spam import spam_warmup_factor
-from loc_opt.inner.spam import stable_spam
-from loc_opt.inner.spam import stable_spam_kappa
+from loc_opt.inner.spike_aware import scale_by_spam
+from loc_opt.inner.spike_aware import scale_by_stable_spam
+from loc_opt.inner.spike_aware import spam
+from loc_opt.inner.spike_aware import spam_warmup_factor
+from loc_opt.inner.spike_aware import stable_spam
+from loc_opt.inner.spike_aware import stable_spam_kappa

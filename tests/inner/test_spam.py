@@ -17,7 +17,7 @@ import pytest
 import loc_opt
 from loc_opt import parallel
 from loc_opt.inner import clipping
-from loc_opt.inner import spam as spam_lib
+from loc_opt.inner import spike_aware as spam_lib
 from tests import optax_conformance as conf
 
 INF = float('inf')
