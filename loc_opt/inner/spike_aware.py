@@ -362,7 +362,7 @@ def scale_by_spam(
 
   Example:
     >>> import optax
-    >>> from loc_opt.inner.spam import scale_by_spam
+    >>> from loc_opt.inner import scale_by_spam
     >>> tx = optax.chain(scale_by_spam(), optax.scale_by_learning_rate(1e-3))
 
   References:
@@ -559,7 +559,7 @@ def spam(
     An ``optax.GradientTransformation``.
 
   Example:
-    >>> from loc_opt.inner.spam import spam
+    >>> from loc_opt.inner import spam
     >>> tx = spam(8e-4, threshold=5000.0, reset_interval=500)
 
   References:
@@ -781,7 +781,7 @@ def scale_by_stable_spam(
 
   Example:
     >>> import optax
-    >>> from loc_opt.inner.spam import scale_by_stable_spam
+    >>> from loc_opt.inner import scale_by_stable_spam
     >>> tx = optax.chain(scale_by_stable_spam(total_steps=20_000),
     ...                  optax.scale_by_learning_rate(4e-4))
 
@@ -878,7 +878,7 @@ def stable_spam(
     An ``optax.GradientTransformation``.
 
   Example:
-    >>> from loc_opt.inner.spam import stable_spam
+    >>> from loc_opt.inner import stable_spam
     >>> tx = stable_spam(4e-4, gamma1=0.7, gamma2=0.9, reset_interval=500,
     ...                  total_steps=20_000)
 

@@ -1,4 +1,4 @@
-"""Tests of SPAM, Stable-SPAM and their pieces (loc_opt.inner.spam/clipping).
+"""Tests of SPAM, Stable-SPAM and their pieces (loc_opt.inner.spike_aware, clipping).
 
 Conformance, equivalences with simpler methods when features are off,
 literal NumPy transcriptions of the reference algorithms, the spec's test
