@@ -54,12 +54,16 @@ class Compressor(NamedTuple):
       module docstring.
     payload_bytes: ``tree -> int``, the bytes one worker sends per call
       (operands of its cross-worker collectives), from the leaf shapes.
+    feedback: whether the scheme already keeps an error (PowerSGD, DGC, or
+      any error-feedback wrapper); wrapping it in another one would count
+      the same error twice, and :func:`build_compressor` refuses to.
   """
 
   name: str
   init: Callable[[Any], Any]
   mean: Callable[..., tuple[Any, Any, Any]]
   payload_bytes: Callable[[Any], int]
+  feedback: bool = False
 
 
 def f32(tree: Any) -> Any:
@@ -282,7 +286,7 @@ def partition(compressor: Compressor, eligible: Eligible | None) -> Compressor:
         [x for x, m in zip(leaves, mask) if m]) + plain
 
   return Compressor(f'partition({compressor.name})', init, mean,
-                    payload_bytes)
+                    payload_bytes, compressor.feedback)
 
 
 def _size(x) -> int:
@@ -338,6 +342,10 @@ def build_compressor(
     The compressor.
   """
   from loc_opt.compression import feedback  # pylint: disable=g-import-not-at-top
+  scheme = as_compressor(scheme)
+  if scheme.feedback and error_feedback != 'none':
+    raise ValueError(f'{scheme.name} keeps its own error feedback; use '
+                     f'error_feedback=\'none\', not {error_feedback!r}')
   return partition(
       feedback.with_feedback(as_compressor(scheme), error_feedback,
                              eta=econtrol_eta), eligible)

@@ -341,4 +341,4 @@ def dgc(
     return total
 
   name = f'dgc(density={density:g}{", compat" if reference_compat else ""})'
-  return Compressor(name, init, mean, payload_bytes)
+  return Compressor(name, init, mean, payload_bytes, feedback=True)

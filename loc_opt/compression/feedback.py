@@ -71,7 +71,7 @@ def error_feedback(compressor: Compressor) -> Compressor:
     return avg, sent, ErrorFeedbackState(inner, _sub(p, sent))
 
   return Compressor(f'ef({compressor.name})', init, mean,
-                    compressor.payload_bytes)
+                    compressor.payload_bytes, True)
 
 
 class EF21State(NamedTuple):
@@ -111,7 +111,7 @@ def ef21(compressor: Compressor) -> Compressor:
     return shared, sent, EF21State(inner, _add(state.local, sent), shared)
 
   return Compressor(f'ef21({compressor.name})', init, mean,
-                    compressor.payload_bytes)
+                    compressor.payload_bytes, True)
 
 
 class EControlState(NamedTuple):
@@ -169,7 +169,7 @@ def econtrol(compressor: Compressor, eta: float = 0.1) -> Compressor:
                                        shared)
 
   return Compressor(f'econtrol({compressor.name})', init, mean,
-                    compressor.payload_bytes)
+                    compressor.payload_bytes, True)
 
 
 FEEDBACK = {

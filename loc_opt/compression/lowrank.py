@@ -249,4 +249,5 @@ def powersgd(
       total += 4 * r * (n + m) if r else 4 * math.prod(shape)
     return total
 
-  return Compressor(f'powersgd(rank={rank})', init, mean, payload_bytes)
+  return Compressor(f'powersgd(rank={rank})', init, mean, payload_bytes,
+                    feedback=error_feedback)

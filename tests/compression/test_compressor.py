@@ -294,3 +294,14 @@ def test_two_phase_sends_about_two_payloads_whatever_the_workers():
   want, _ = jax.jit(jax.vmap(tx.update, axis_name='worker'))(*args)
   for k in got:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_schemes_with_their_own_feedback_refuse_a_second_one():
+  for scheme in (compression.powersgd(rank=2), compression.dgc(0.01),
+                 compression.error_feedback(compression.from_codec(
+                     compression.int8()))):
+    assert scheme.feedback
+    with pytest.raises(ValueError, match='own error feedback'):
+      compression.build_compressor(scheme, error_feedback='ef')
+  assert not compression.powersgd(rank=2, error_feedback=False).feedback
+  compression.build_compressor(compression.powersgd(rank=2))
