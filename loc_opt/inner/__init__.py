@@ -3,6 +3,12 @@
 * SPAM and Stable-SPAM (:mod:`~loc_opt.inner.spike_aware`) and their composable
   pieces (:mod:`~loc_opt.inner.clipping`): ``reset_every``,
   ``clip_by_moment_ratio``, ``adaptive_max_clip``, ``adaptive_grad_norm``.
+* Matrix-aware and memory-lean optimizers: SWAN
+  (:mod:`~loc_opt.inner.whitening`), FRUGAL (:mod:`~loc_opt.inner.subspace`),
+  Fira (:mod:`~loc_opt.inner.lowrank_residual`), Dion
+  (:mod:`~loc_opt.inner.orthonormal`), Drop-Muon
+  (:mod:`~loc_opt.inner.layer_dropout`); shared helpers in
+  :mod:`~loc_opt.inner.matrix`.
 * :func:`make_optimizer` / :data:`OPTIMIZERS`: every optimizer by name.
 """
 
@@ -18,3 +24,14 @@ from loc_opt.inner.spike_aware import spam
 from loc_opt.inner.spike_aware import spam_warmup_factor
 from loc_opt.inner.spike_aware import stable_spam
 from loc_opt.inner.spike_aware import stable_spam_kappa
+from loc_opt.inner.layer_dropout import drop_muon
+from loc_opt.inner.layer_dropout import sampled_layers
+from loc_opt.inner.layer_dropout import scale_by_drop_muon
+from loc_opt.inner.lowrank_residual import fira
+from loc_opt.inner.lowrank_residual import scale_by_fira
+from loc_opt.inner.orthonormal import dion
+from loc_opt.inner.orthonormal import scale_by_dion
+from loc_opt.inner.subspace import frugal
+from loc_opt.inner.subspace import scale_by_frugal
+from loc_opt.inner.whitening import scale_by_swan
+from loc_opt.inner.whitening import swan

@@ -11,6 +11,14 @@ from typing import Any
 
 import optax
 
+from loc_opt.inner import layer_dropout as _layer_dropout
+from loc_opt.inner import lowrank_residual as _lowrank_residual
+from loc_opt.inner import orthonormal as _orthonormal
+from loc_opt.inner import spike_aware as _spam
+from loc_opt.inner import subspace as _subspace
+from loc_opt.inner import whitening as _whitening
+from loc_opt.schedules import schedule_free as _schedule_free
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'sgd': optax.sgd,
     'momentum': lambda learning_rate, momentum=0.9, nesterov=False: optax.sgd(
@@ -19,6 +27,27 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'adamw': optax.adamw,
     'lion': optax.lion,
     'adafactor': optax.adafactor,
+    'spam': _spam.spam,
+    'stable_spam': _spam.stable_spam,
+    'swan': _whitening.swan,
+    'frugal': _subspace.frugal,
+    'fira': _lowrank_residual.fira,
+    'dion': _orthonormal.dion,
+    'drop_muon': _layer_dropout.drop_muon,
+    # Schedule-free (evaluate at loc_opt.schedules.schedule_free_eval_params).
+    'schedule_free_adamw': _schedule_free.schedule_free_adamw,
+    'schedule_free_sgd': _schedule_free.schedule_free_sgd,
+}
+
+
+# Integer arguments that set state shapes: `inject_hyperparams` must leave
+# them static rather than turn them into traced hyperparameters.
+STATIC_ARGS: Mapping[str, tuple[str, ...]] = {
+    'adafactor': ('min_dim_size_to_factor',),
+    'spam': ('density',),
+    'frugal': ('rank', 'density'),
+    'fira': ('rank',),
+    'dion': ('rank', 'rank_fraction'),
 }
 
 
@@ -48,8 +77,9 @@ def make_optimizer(
     raise ValueError(f'unknown optimizer {name!r} (field optimizer.name); '
                      f'choose one of {sorted(OPTIMIZERS)}')
   try:
-    tx = optax.inject_hyperparams(OPTIMIZERS[name])(
-        learning_rate=learning_rate, **hyperparams)
+    tx = optax.inject_hyperparams(
+        OPTIMIZERS[name], static_args=STATIC_ARGS.get(name, ()))(
+            learning_rate=learning_rate, **hyperparams)
   except TypeError as e:
     raise ValueError(f'bad hyperparameters for optimizer {name!r}: {e}') from e
   if grad_clip_norm is None or grad_clip_norm == 0:
