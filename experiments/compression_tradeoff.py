@@ -127,7 +127,11 @@ def main(argv):
       '|---|---|---|---|']
   for r in rows:
     ref = fp32.get(r['family'])
-    ratio = f'{ref / r["cross_worker_bytes"]:.1f}x less' if ref else '-'
+    ratio = '-'
+    if ref:
+      factor = ref / r['cross_worker_bytes']
+      ratio = (f'{factor:.1f}x less' if factor >= 1 else
+               f'{1 / factor:.1f}x more')
     lines.append(f'| {r["label"]} | {r["final_eval_loss"]:.4f} | '
                  f'{r["cross_worker_bytes"]:,} | {ratio} |')
   table = '\n'.join(lines)
