@@ -29,6 +29,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.keep_checkpoints = 2  # How many checkpoints to keep.
   c.progress = True  # Progress bar on a terminal / log lines elsewhere.
   c.halt_after_steps = 0  # Stop after this many steps (simulated preemption).
+  # Start from another run's checkpoint (a WSD / WSD-S decay branch, see
+  # loc_opt.train.branch_and_evaluate); used only while workdir has none.
+  c.init_from = ml_collections.ConfigDict()
+  c.init_from.workdir = ''  # The other run's workdir ('' = start fresh).
+  c.init_from.step = 0  # Its checkpoint step to start from (< num_steps).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.workers = 4  # DiLoCo workers: the outermost mesh axis.
@@ -64,12 +69,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.grad_clip_norm = 1.0  # Global-norm clip of inner grads.
   c.optimizer.kwargs = {'b1': 0.9, 'b2': 0.95,  # Adam betas.
                         'weight_decay': 0.1}  # Decoupled weight decay.
+  # Injected gradient spikes (loc_opt.train.spikes), first in the inner
+  # chain, before grad_clip_norm (which clips them back: set it to 0 to let
+  # them through). Off when spike_num is 0.
+  c.optimizer.spike_num = 0  # How many steps get a spiked gradient.
+  c.optimizer.spike_scale = 1000.0  # Gradient multiplier on those steps.
+  c.optimizer.spike_seed = 0  # Seed of the spiked steps.
+  c.optimizer.spike_window = (0.2, 0.8)  # Fractions of the run to spike in.
 
   c.outer = ml_collections.ConfigDict()
   # 'diloco', 'local_sgd', 'data_parallel' or 'compressed_data_parallel'
   # (loc_opt.train.METHODS).
   c.outer.method = 'diloco'
   c.outer.sync_every = 50  # H: inner steps between syncs.
+  # How H changes over the run: a name of loc_opt.schedules.SYNC_SCHEDULES:
+  # 'constant' (H = sync_every), 'step' or 'qsr' (H = max(sync_every,
+  # floor((alpha / lr_t)^2)) from the inner learning-rate schedule).
+  c.outer.sync_schedule = 'constant'
+  # Its arguments, e.g. {'alpha': 0.02} for 'qsr' or
+  # {'boundaries_and_periods': {'0': 50, '200': 100}} for 'step'.
+  c.outer.sync_schedule_kwargs = {}
   c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD).
   c.outer.momentum = 0.9  # Outer momentum.
   c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.

@@ -35,7 +35,7 @@ flags.mark_flag_as_required('workdir')
 _CDP = 'compressed_data_parallel'
 # name -> (label, family, overrides of the config's `outer` section)
 RUNS = {
-    'dp': ('data-parallel, fp32', 'data-parallel',
+    'dp': ('data-parallel, fp32 (GSPMD all-reduce)', 'data-parallel',
            {'method': 'data_parallel'}),
     # The fp32 reference of the compressed runs: each worker's gradient is
     # averaged with the same per-worker collective the codecs use (spread

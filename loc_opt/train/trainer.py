@@ -9,10 +9,23 @@ Local-update methods (``diloco``, ``local_sgd``) keep a leading worker axis on
 every array of the state, sharded over the mesh's ``worker`` axis; their
 per-worker step runs under ``jax.shard_map`` manual over ``worker`` only, and
 the inner and the sync step are compiled as two programs so that the inner
-one provably has no cross-worker collective. ``data_parallel`` keeps one
-replicated copy and all-reduces gradients every step.
+one provably has no cross-worker collective. Which one runs next is decided on
+the host from the sync-period schedule (``outer.sync_schedule``: constant,
+step or QSR), so a changing period recompiles nothing. ``data_parallel``
+keeps one replicated copy and all-reduces gradients every step.
+
+Evaluation uses each method's evaluation weights: the anchor under DiLoCo and
+local SGD, the schedule-free average for a schedule-free optimizer otherwise
+(``loc_opt.train.methods.eval_params_fn``).
+
+A run can start from another run's checkpoint (``init_from``): the decay
+branch of WSD / WSD-S (``loc_opt.train.branch_and_evaluate``). Saved
+checkpoints of a run can be merged into one evaluation model (WSM,
+``loc_opt.train.merge_and_evaluate``).
 """
 
+import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -35,6 +48,7 @@ from loc_opt import schedules
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import methods as methods_lib
 from loc_opt.train import metrics as metrics_lib
+from loc_opt.train import spikes as spikes_lib
 
 P = jax.P
 
@@ -80,24 +94,52 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   if config.data.seq_len > config.model.max_len:
     raise ValueError(f'data.seq_len={config.data.seq_len} exceeds '
                      f'model.max_len={config.model.max_len}')
-  methods_lib.get_method(config.outer.method)
-  if methods_lib.get_method(config.outer.method).syncs is not None:
-    methods_lib.check_sync_every(config.outer)
+  method = methods_lib.get_method(config.outer.method)
+  lr_schedule = _lr_schedule(config)
+  if method.has_sync:
+    methods_lib.make_sync_every(config, lr_schedule)
   if config.outer.method != 'data_parallel':
     methods_lib.make_compressor(config.outer)
+  spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
+  _check_init_from(config)
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
     raise ValueError('model.vocab_size must be >= 256 for byte-level data')
 
 
-def _make_inner(config) -> optax.GradientTransformation:
+def _check_init_from(config) -> None:
+  """Validates the ``init_from`` fields (a branch off another run)."""
+  init = config.get('init_from')
+  if init is None or not init.get('workdir'):
+    return
+  step = init.get('step')
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or \
+      step <= 0:
+    raise ValueError(f'init_from.step must be a positive int (a checkpoint '
+                     f'step of init_from.workdir), got {step!r}')
+  if step >= config.num_steps:
+    raise ValueError(f'init_from.step={step} must be below num_steps='
+                     f'{config.num_steps} (the branch must take steps)')
+
+
+def _lr_schedule(config) -> optax.Schedule:
+  """The inner learning-rate schedule (``optimizer.schedule``)."""
   opt = config.optimizer
-  schedule = schedules.make_schedule(
+  return schedules.make_schedule(
       opt.schedule, opt.learning_rate, config.num_steps,
       **dict(opt.get('schedule_kwargs', {})))
-  return inner_lib.make_optimizer(
+
+
+def _make_inner(config, lr_schedule: optax.Schedule | None = None
+                ) -> optax.GradientTransformation:
+  """The inner optimizer: spike injection (if on), clip, optimizer."""
+  opt = config.optimizer
+  schedule = _lr_schedule(config) if lr_schedule is None else lr_schedule
+  tx = inner_lib.make_optimizer(
       opt.name, schedule, grad_clip_norm=opt.get('grad_clip_norm'),
       **dict(opt.get('kwargs', {})))
+  spike, _ = spikes_lib.spikes_from_config(opt, config.num_steps)
+  return tx if spike is None else optax.chain(spike, tx)
 
 
 def _leaf_spec(path, leaf, param_specs: dict[tuple, Any]):
@@ -136,10 +178,22 @@ def state_shardings(abstract_state, param_specs, mesh, per_worker: bool):
 
 @dataclasses.dataclass
 class Programs:
-  """The compiled steps and what their collectives move."""
-  steps: dict[bool, Any]          # sync? -> jitted train step
-  bytes_per_step: dict[bool, int]  # sync? -> cross-worker bytes (all devices)
+  """The compiled steps and what their collectives move.
+
+  Attributes:
+    steps: sync? -> the compiled train step (``jax.stages.Compiled``, so it
+      can never recompile).
+    bytes_per_step: sync? -> cross-worker bytes of that step (all devices).
+    eval_fn: ``(state, batch) -> per-worker loss`` at the eval weights.
+    eval_params_fn: ``state -> eval weights`` (laid out like the params).
+    params_loss_fn: ``(params, batch) -> per-worker loss`` of given weights
+      (e.g. a WSM merge).
+  """
+  steps: dict[bool, Any]
+  bytes_per_step: dict[bool, int]
   eval_fn: Any
+  eval_params_fn: Any
+  params_loss_fn: Any
 
 
 def _loss_fn(model, params, batch):
@@ -148,7 +202,7 @@ def _loss_fn(model, params, batch):
 
 
 def _build_programs(config, model, tx, method, mesh, shardings,
-                    abstract_state) -> Programs:
+                    abstract_state, eval_params) -> Programs:
   m = config.mesh
   batch_axes = ('data', 'fsdp')
   if method.per_worker:
@@ -189,7 +243,7 @@ def _build_programs(config, model, tx, method, mesh, shardings,
                    out_shardings=(shardings, loss_sharding),
                    donate_argnums=0)
 
-  variants = (False, True) if method.syncs is not None else (False,)
+  variants = (False, True) if method.has_sync else (False,)
   steps, nbytes = {}, {}
   for sync in variants:
     jitted = make_step(sync)
@@ -201,20 +255,33 @@ def _build_programs(config, model, tx, method, mesh, shardings,
   # Evaluation: every worker evaluates its eval weights on its slice of the
   # eval batch, so evaluation itself crosses no worker boundary.
   def worker_eval(params, opt_state, batch):
-    return _loss_fn(model, method.eval_params(opt_state, params), batch)
+    return _loss_fn(model, eval_params(opt_state, params), batch)
 
+  def worker_params_loss(params, batch):
+    return _loss_fn(model, params, batch)
+
+  per_worker = (functools.partial(parallel.shard_map_workers, mesh=mesh)
+                if method.per_worker else lambda fn: fn)
   if method.per_worker:
-    eval_run = parallel.shard_map_workers(worker_eval, mesh)
     eval_sharding = jax.NamedSharding(mesh, P(parallel.WORKER, batch_axes))
   else:
-    eval_run = worker_eval
     eval_sharding = jax.NamedSharding(mesh,
                                       P((parallel.WORKER,) + batch_axes))
+  eval_run = per_worker(worker_eval)
   eval_fn = jax.jit(
       lambda state, batch: eval_run(state['params'], state['opt_state'],
                                     batch),
       in_shardings=(shardings, eval_sharding))
-  return Programs(steps=steps, bytes_per_step=nbytes, eval_fn=eval_fn)
+  params_run = per_worker(lambda opt_state, params: eval_params(opt_state,
+                                                                params))
+  eval_params_fn = jax.jit(
+      lambda state: params_run(state['opt_state'], state['params']),
+      in_shardings=(shardings,), out_shardings=shardings['params'])
+  params_loss_fn = jax.jit(per_worker(worker_params_loss),
+                           in_shardings=(shardings['params'], eval_sharding))
+  return Programs(steps=steps, bytes_per_step=nbytes, eval_fn=eval_fn,
+                  eval_params_fn=eval_params_fn,
+                  params_loss_fn=params_loss_fn)
 
 
 @dataclasses.dataclass
@@ -230,6 +297,9 @@ class Experiment:
     shardings: ``NamedSharding`` of every leaf of the train state.
     abstract_state: the train state's shapes, dtypes and shardings.
     programs: the compiled steps, their cross-worker bytes, and evaluation.
+    lr_schedule: the inner learning-rate schedule.
+    sync_plan: which steps sync (None for methods without a sync step).
+    spike_steps: the counts at which gradient spikes are injected.
   """
 
   config: ml_collections.ConfigDict
@@ -240,14 +310,29 @@ class Experiment:
   shardings: Any
   abstract_state: Any
   programs: Programs
+  lr_schedule: optax.Schedule
+  sync_plan: methods_lib.SyncPlan | None
+  spike_steps: list[int]
 
-  def init_state(self) -> dict[str, Any]:
-    """The initial train state: one model initialisation on every worker."""
+  @functools.cached_property
+  def _init_fn(self):
     init = functools.partial(_init_state, model=self.model, tx=self.tx,
                              method=self.method,
                              workers=self.config.mesh.workers)
-    return jax.jit(init, out_shardings=self.shardings)(
-        jax.random.key(self.config.seed))
+    return jax.jit(init, out_shardings=self.shardings)
+
+  def init_state(self) -> dict[str, Any]:
+    """The initial train state: one model initialisation on every worker."""
+    return self._init_fn(jax.random.key(self.config.seed))
+
+  def eval_params(self, state: dict[str, Any]) -> Any:
+    """The weights evaluation uses (per worker for local-update methods)."""
+    return self.programs.eval_params_fn(state)
+
+  def evaluate_params(self, params: Any, eval_batches: Any) -> float:
+    """Mean eval loss of ``params`` (laid out like ``state['params']``)."""
+    return _mean_loss(lambda b: self.programs.params_loss_fn(params, b),
+                      eval_batches, self.config, self.method.per_worker)
 
 
 def build_experiment(config: ml_collections.ConfigDict,
@@ -259,17 +344,60 @@ def build_experiment(config: ml_collections.ConfigDict,
                                      config.mesh.fsdp, config.mesh.tensor)
   method = methods_lib.get_method(config.outer.method)
   model = models.build_model(config.model)
-  tx = method.build(config.outer, _make_inner(config), parallel.WORKER)
+  lr_schedule = _lr_schedule(config)
+  sync_every = (methods_lib.make_sync_every(config, lr_schedule)
+                if method.has_sync else None)
+  tx = method.build(config.outer, _make_inner(config, lr_schedule),
+                    parallel.WORKER, sync_every)
   init = functools.partial(_init_state, model=model, tx=tx, method=method,
                            workers=config.mesh.workers)
   abstract = jax.eval_shape(init, jax.random.key(config.seed))
   shardings = state_shardings(abstract, _specs(model, mesh), mesh,
                               method.per_worker)
   abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
+  eval_params = methods_lib.eval_params_fn(method, abstract['opt_state'])
   programs = _build_programs(config, model, tx, method, mesh, shardings,
-                             abstract)
+                             abstract, eval_params)
+  sync_plan = (methods_lib.SyncPlan(sync_every, config.num_steps)
+               if method.has_sync else None)
+  _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
+                                                 config.num_steps)
   return Experiment(config, mesh, model, method, tx, shardings, abstract,
-                    programs)
+                    programs, lr_schedule, sync_plan, spike_steps)
+
+
+# Fields that do not change what build_experiment compiles: runs that differ
+# only in these share one Experiment within a process (resumes, branches,
+# merges, tests).
+_RUN_CONTROL_FIELDS = ('eval_every', 'eval_batches', 'log_every',
+                       'checkpoint_every', 'keep_checkpoints', 'progress',
+                       'halt_after_steps', 'init_from')
+_EXPERIMENT_CACHE: collections.OrderedDict[str, Experiment] = \
+    collections.OrderedDict()
+_EXPERIMENT_CACHE_SIZE = 4
+
+
+def _experiment_key(config: ml_collections.ConfigDict) -> str:
+  fields = {k: v for k, v in config.to_dict().items()
+            if k not in _RUN_CONTROL_FIELDS}
+  return json.dumps(fields, sort_keys=True, default=str)
+
+
+def get_experiment(config: ml_collections.ConfigDict) -> Experiment:
+  """:func:`build_experiment`, reusing one built in this process for a
+  config that differs only in run-control fields (logging, evaluation,
+  checkpointing, ``halt_after_steps``, ``init_from``)."""
+  key = _experiment_key(config)
+  exp = _EXPERIMENT_CACHE.get(key)
+  if exp is None:
+    exp = build_experiment(copy.deepcopy(config))
+    _EXPERIMENT_CACHE[key] = exp
+    while len(_EXPERIMENT_CACHE) > _EXPERIMENT_CACHE_SIZE:
+      _EXPERIMENT_CACHE.popitem(last=False)
+  else:
+    validate_config(config, exp.mesh.size)
+    _EXPERIMENT_CACHE.move_to_end(key)
+  return exp
 
 
 def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
@@ -279,8 +407,40 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   optimizer and mesh, gradients all-reduced every step.
   """
   dp_config = ml_collections.ConfigDict(config.to_dict())
-  dp_config.outer.method = 'data_parallel'
-  return build_experiment(dp_config).programs.bytes_per_step[False]
+  # Only what shapes the collectives is kept (so runs that differ in the
+  # outer method's settings, the schedule, spikes or length share one
+  # compiled reference): the data-parallel step ignores the other outer
+  # fields, and schedules and spikes only scale values.
+  dp_config.outer = ml_collections.ConfigDict({'method': 'data_parallel'})
+  dp_config.num_steps = 1
+  dp_config.optimizer.schedule = 'constant'
+  dp_config.optimizer.schedule_kwargs = {}
+  dp_config.optimizer.spike_num = 0
+  dp_config.init_from = ml_collections.ConfigDict({'workdir': '', 'step': 0})
+  return get_experiment(dp_config).programs.bytes_per_step[False]
+
+
+_DATA_CACHE: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+
+def load_data(config: ml_collections.ConfigDict) -> data_lib.LMData:
+  """The run's data (``loc_opt.data.make_lm_data``), read once per process
+  for a given data config, worker count, batch, length and seed."""
+  key = json.dumps([config.data.to_dict(), config.mesh.workers,
+                    config.batch_size, config.data.seq_len, config.seed],
+                   sort_keys=True, default=str)
+  data = _DATA_CACHE.get(key)
+  if data is None:
+    data = data_lib.make_lm_data(
+        config.data, num_workers=config.mesh.workers,
+        global_batch=config.batch_size, seq_len=config.data.seq_len,
+        seed=config.seed)
+    _DATA_CACHE[key] = data
+    while len(_DATA_CACHE) > 2:
+      _DATA_CACHE.popitem(last=False)
+  else:
+    _DATA_CACHE.move_to_end(key)
+  return data
 
 
 def _specs(model, mesh):
@@ -305,18 +465,34 @@ def _init_state(rng, *, model, tx, method, workers):
   }
 
 
-def _is_sync(method, config, step: int, since_sync: int) -> bool:
-  return bool(method.syncs and method.syncs(config.outer, step, since_sync))
+def _is_sync(exp: Experiment, step: int, since_sync: int) -> bool:
+  return exp.sync_plan is not None and exp.sync_plan.syncs(step, since_sync)
 
 
-def _eval(programs, state, eval_batches, config, per_worker) -> float:
+def _mean_loss(loss_fn, eval_batches, config, per_worker) -> float:
   losses = []
   for batch in eval_batches:
     if per_worker:
       batch = batch.reshape(config.mesh.workers, -1, batch.shape[-1])
-    loss = programs.eval_fn(state, batch)
-    losses.append(np.mean(np.asarray(loss)))
+    losses.append(np.mean(np.asarray(loss_fn(batch))))
   return float(np.mean(losses))
+
+
+def _eval(programs, state, eval_batches, config, per_worker) -> float:
+  return _mean_loss(lambda b: programs.eval_fn(state, b), eval_batches,
+                    config, per_worker)
+
+
+def _counters(exp: Experiment, state, step: int) -> tuple[int, int, int]:
+  """``(since_sync, syncs, cross-worker bytes)`` after ``step`` steps of a
+  restored state: read from the state, so branches from another run's
+  checkpoint (whose sync schedule may differ) count right too."""
+  nbytes = exp.programs.bytes_per_step
+  if exp.method.counters is None:
+    return 0, 0, step * nbytes[False]
+  syncs, since = (int(np.asarray(jax.device_get(x)).reshape(-1)[0])
+                  for x in exp.method.counters(state['opt_state']))
+  return since, syncs, syncs * nbytes[True] + (step - syncs) * nbytes[False]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -325,6 +501,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   If ``workdir`` holds a checkpoint, training resumes from it and ends with
   exactly the state an uninterrupted run would have (bit for bit on CPU).
+  Otherwise, if ``config.init_from.workdir`` is set, the run starts from
+  that run's checkpoint at ``config.init_from.step`` (see
+  :func:`loc_opt.train.branch_and_evaluate`); else from the initialisation.
 
   Args:
     config: see ``configs/diloco_lm.py`` for every field.
@@ -338,24 +517,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   workdir = pathlib.Path(workdir)
   config_json = config_to_json(config)
   t0 = time.perf_counter()
-  exp = build_experiment(config)
+  validate_config(config, jax.device_count())
+  init_from = config.get('init_from')
+  branching = (init_from is not None and bool(init_from.get('workdir'))
+               and ckpt_lib.latest_step(workdir) is None)
+  if branching:  # fail before compiling anything
+    ckpt_lib.check_branch(init_from.workdir, init_from.step, config_json)
+  exp = get_experiment(config)
   compile_s = time.perf_counter() - t0
   method, programs = exp.method, exp.programs
-  data = data_lib.make_lm_data(
-      config.data, num_workers=config.mesh.workers,
-      global_batch=config.batch_size, seq_len=config.data.seq_len,
-      seed=config.seed)
+  data = load_data(config)
   eval_batches = data.eval_batches(config.eval_batches)
 
   progress = metrics_lib.Progress(config.num_steps,
                                   every=config.log_every,
                                   enabled=config.get('progress', True))
+  branch = None
+  if branching:
+    # Read the other run's state before anything is written here, so a bad
+    # branch leaves no trace.
+    branch = ckpt_lib.restore_branch(
+        init_from.workdir, init_from.step, exp.abstract_state, config_json)
   workdir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                max_to_keep=config.keep_checkpoints)
   if ckpt.latest_step() is not None:
     start, state = ckpt.restore(exp.abstract_state, config_json)
     progress.message(f'resumed from checkpoint at step {start} in {ckpt.dir}')
+  elif branch is not None:
+    start, state = branch
+    progress.message(f'branched from {init_from.workdir} at step {start}')
   else:
     start = 0
     state = exp.init_state()
@@ -363,14 +554,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   # (seed, position), so restoring it resumes the exact data order.
   position = int(jax.device_get(state['data_position']))
   writer = metrics_lib.MetricWriter(workdir, resume_step=start)
-  # Which steps synced is a pure function of the config, so the counters of
-  # an interrupted run are replayed rather than stored.
-  since_sync, syncs, cum_bytes = 0, 0, 0
-  for s in range(start):
-    sync = _is_sync(method, config, s, since_sync)
-    since_sync = 0 if sync else since_sync + 1
-    syncs += int(sync)
-    cum_bytes += programs.bytes_per_step[sync]
+  # The sync counters live in the optimizer state, so a resumed or branched
+  # run continues them exactly.
+  since_sync, syncs, cum_bytes = _counters(exp, state, start)
   summary_path = workdir / 'summary.json'
 
   tokens_per_step = config.batch_size * config.data.seq_len
@@ -383,7 +569,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     while step < config.num_steps:
       if halt_after and step - start >= halt_after:
         break
-      sync = _is_sync(method, config, step, since_sync)
+      sync = _is_sync(exp, step, since_sync)
       batch = data.train.batch(position)
       position += 1
       if not method.per_worker:
@@ -451,6 +637,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         'compile_seconds': compile_s,
         'train_seconds_this_run': train_time,
     })
+    if init_from is not None and init_from.get('workdir'):
+      summary['init_from'] = {'workdir': str(init_from.workdir),
+                              'step': int(init_from.step)}
     tmp = summary_path.with_suffix('.tmp')
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, summary_path)
