@@ -24,10 +24,9 @@ def test_worker_mean_equals_pmean_and_sends_one_copy_per_worker(data, fsdp):
     np.testing.assert_allclose(got, want, rtol=1e-6)
   report = parallel.collective_bytes(fast.lower(tree).compile(), mesh)
   inside = data * fsdp
-  # Each leaf padded to a multiple of the worker's devices, 4 bytes each.
-  padded = sum(-(-n // inside) * inside for n in (37 * 5, 3)) + 1 * inside
-  if inside == 1:
-    padded = 37 * 5 + 3 + 1
+  # The leaves go as one fp32 buffer padded to a multiple of the worker's
+  # devices: 4 bytes per element, once per worker.
+  padded = -(-(37 * 5 + 3 + 1) // inside) * inside
   assert report.cross_worker_bytes_per_worker == 4 * padded
   plain_report = parallel.collective_bytes(plain.lower(tree).compile(), mesh)
   assert plain_report.cross_worker_bytes_per_worker == \
