@@ -221,7 +221,8 @@ def inverse_sqrt(
     t = 0.5 * (3.0 * eye - z @ y)
     return y @ t, t @ z
 
-  _, z = jax.lax.fori_loop(0, steps, body, (a / norm, eye))
+  start = (a / norm, jnp.zeros_like(a) + eye)  # varying like `a`
+  _, z = jax.lax.fori_loop(0, steps, body, start)
   return z * jax.lax.rsqrt(norm)
 
 

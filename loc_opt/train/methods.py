@@ -148,7 +148,11 @@ def make_sync_every(
   if name not in schedules.SYNC_SCHEDULES:
     raise ValueError(f'unknown outer.sync_schedule {name!r}; choose one of '
                      f'{sorted(schedules.SYNC_SCHEDULES)}')
-  user = dict(outer.get('sync_schedule_kwargs', {}) or {})
+  user = outer.get('sync_schedule_kwargs', {}) or {}
+  # Plain dicts all the way down (a config turns {'0': 4, '100': 8} into a
+  # ConfigDict, which is not a Mapping).
+  user = dict(user.to_dict() if isinstance(user, ml_collections.ConfigDict)
+              else user)
   if 'lr_schedule' in user:
     raise ValueError('outer.sync_schedule_kwargs must not set lr_schedule: '
                      'the trainer passes the inner learning-rate schedule')

@@ -465,3 +465,22 @@ def test_inside_diloco(name):
       assert all(same)
     else:
       assert not all(same)
+
+
+def test_swan_newton_schulz_runs_inside_the_worker_shard_map():
+  """The Newton-Schulz loop carries an identity that must be typed as
+  varying over the worker axis like the gradient it multiplies."""
+  mesh = parallel.make_worker_mesh(4, data=2)
+  tx = loc_opt.diloco(swan_lib.swan(1e-2), sync_every=2)
+  params = {'w': jnp.ones((4, 16, 8)), 'b': jnp.zeros((4, 8))}
+  sharding = jax.NamedSharding(mesh, jax.P('worker'))
+  params = jax.device_put(params, sharding)
+  grads = jax.device_put(jax.tree.map(
+      lambda p: jax.random.normal(jax.random.key(0), p.shape), params),
+      sharding)
+  state = jax.jit(jax.vmap(tx.init))(params)
+  step = jax.jit(parallel.shard_map_workers(tx.update, mesh))
+  updates, _ = step(grads, state, params)
+  want, _ = jax.jit(jax.vmap(tx.update, axis_name='worker'))(
+      grads, state, params)
+  np.testing.assert_allclose(updates['w'], want['w'], rtol=1e-4, atol=1e-6)

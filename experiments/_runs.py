@@ -1,0 +1,57 @@
+"""Helpers shared by the inner-optimizer and schedule experiment programs."""
+
+import copy
+import json
+import os
+import pathlib
+from typing import Any
+
+import ml_collections
+
+
+def variant(base: ml_collections.ConfigDict,
+            **overrides: Any) -> ml_collections.ConfigDict:
+  """A copy of ``base`` with dotted fields (``a__b`` for ``a.b``) replaced."""
+  c = copy.deepcopy(base)
+  for key, value in overrides.items():
+    *parents, leaf = key.split('__')
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+        label: str) -> dict[str, Any]:
+  """Trains (or resumes, or reads a finished run) and prints one line."""
+  from loc_opt import train  # pylint: disable=g-import-not-at-top
+  summary = train.train_and_evaluate(config, workdir)
+  summary.pop('state', None)
+  summary['curve'] = curve(workdir)
+  print(f'{label:<34} steps {summary["step"]:>4}  final eval loss '
+        f'{summary["final_eval_loss"]:.4f}', flush=True)
+  return summary
+
+
+def curve(workdir: str | os.PathLike) -> dict[str, dict[int, float]]:
+  """``{'eval': {step: loss}, 'train': {step: loss}}`` of a run."""
+  from loc_opt import train  # pylint: disable=g-import-not-at-top
+  out = {'eval': {}, 'train': {}}
+  for r in train.read_metrics(workdir):
+    for key, name in (('eval/loss', 'eval'), ('train/loss', 'train')):
+      if key in r and isinstance(r[key], (int, float)):
+        out[name][int(r['step'])] = float(r[key])
+  return out
+
+
+def write(workdir: str | os.PathLike, name: str, markdown: str,
+          results: Any) -> None:
+  """Writes ``name.md`` and ``name.json`` into ``workdir`` and prints."""
+  path = pathlib.Path(workdir)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / f'{name}.md').write_text(markdown)
+  (path / f'{name}.json').write_text(json.dumps(results, indent=2,
+                                                default=str))
+  print('\n' + markdown)
+  print(f'wrote {path / (name + ".md")}, {path / (name + ".json")}')

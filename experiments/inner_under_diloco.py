@@ -1,0 +1,100 @@
+r"""Inner optimizers under DiLoCo at equal compute: AdamW vs SPAM vs SWAN.
+
+Every run is DiLoCo on the 4-worker x 2-device mesh with the same model,
+data, steps, batch, sync period and outer optimizer (Nesterov, lr 0.7,
+momentum 0.9); only the inner optimizer changes. Same steps and tokens, so
+equal compute up to the optimizers' own cost per step (reported as train
+time). A data-parallel AdamW run with the same tokens is the reference.
+
+Writes ``inner_under_diloco.md`` and ``.json`` to ``--workdir``.
+
+  python -m experiments.inner_under_diloco --workdir=/tmp/inner_diloco \
+    [--config=configs/inner_schedules_lm.py] [--sync_every=25]
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', 'configs/inner_schedules_lm.py', 'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_OPTIMIZERS = flags.DEFINE_list('optimizers', ['adamw', 'spam', 'swan'],
+                                'Names in loc_opt.inner.OPTIMIZERS.')
+_SYNC_EVERY = flags.DEFINE_integer('sync_every', 25, 'DiLoCo H.')
+_REFERENCE = flags.DEFINE_bool('data_parallel_reference', True,
+                               'Also train data-parallel AdamW.')
+
+# Per optimizer: its arguments besides the learning-rate schedule, and its
+# peak learning rate (None: the config's). AdamW and SPAM share the config's
+# betas and weight decay. SWAN's matrix update has unit singular values; with
+# rescale=True it is scaled to the standardized gradient's norm, so its
+# entries have Adam-like size and the same peak rate applies (its non-matrix
+# leaves use the built-in Adam fallback, with b2 0.95 like the AdamW). SPAM
+# keeps its other defaults (threshold 5000, reset interval 500 > the run,
+# post-reset warmup 150).
+SETTINGS = {
+    'adamw': ({'b1': 0.9, 'b2': 0.95, 'weight_decay': 0.1}, None),
+    'spam': ({'b1': 0.9, 'b2': 0.95, 'weight_decay': 0.1}, None),
+    'swan': ({'adam_b2': 0.95, 'weight_decay': 0.1, 'rescale': True,
+              'whitening': 'quintic'}, None),
+}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  from loc_opt import inner  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
+
+  missing = [n for n in _OPTIMIZERS.value if n not in inner.OPTIMIZERS]
+  if missing:
+    raise app.UsageError(f'optimizers {missing} are not in '
+                         f'loc_opt.inner.OPTIMIZERS {sorted(inner.OPTIMIZERS)}')
+  wd = _WORKDIR.value
+  base = _runs.variant(_CONFIG.value, outer__method='diloco',
+                       outer__sync_every=_SYNC_EVERY.value)
+  runs = {}
+  for name in _OPTIMIZERS.value:
+    kwargs, lr = SETTINGS.get(name, ({}, None))
+    overrides = {'optimizer__name': name, 'optimizer__kwargs': kwargs}
+    if lr is not None:
+      overrides['optimizer__learning_rate'] = lr
+    runs[name] = _runs.run(_runs.variant(base, **overrides),
+                           os.path.join(wd, name), f'diloco + {name}')
+    runs[name]['settings'] = {'kwargs': kwargs, 'learning_rate': lr or
+                              base.optimizer.learning_rate}
+  if _REFERENCE.value:
+    runs['data-parallel adamw'] = _runs.run(
+        _runs.variant(_CONFIG.value, outer__method='data_parallel'),
+        os.path.join(wd, 'data_parallel_adamw'), 'data-parallel adamw')
+
+  c = base
+  lines = [
+      f'{c.num_steps} steps x {c.batch_size} x {c.data.seq_len} bytes, '
+      f'{c.mesh.workers} workers x {c.mesh.data} devices, H = '
+      f'{_SYNC_EVERY.value}, outer Nesterov lr {c.outer.learning_rate} '
+      f'momentum {c.outer.momentum}; inner peak lr '
+      f'{c.optimizer.learning_rate:g} ({c.optimizer.schedule}), global-norm '
+      f'clip {c.optimizer.grad_clip_norm}.', '',
+      '| inner optimizer | final eval loss | cross-worker bytes | syncs | '
+      'train time (s) |', '|---|---|---|---|---|']
+  for name, r in runs.items():
+    lines.append(
+        f'| {name} | {r["final_eval_loss"]:.4f} | '
+        f'{metrics.format_bytes(r["cross_worker_bytes"])} | {r["syncs"]} | '
+        f'{r.get("train_seconds_this_run", float("nan")):.0f} |')
+  markdown = '\n'.join(lines) + '\n'
+  _runs.write(wd, 'inner_under_diloco', markdown, runs)
+
+
+if __name__ == '__main__':
+  app.run(main)
