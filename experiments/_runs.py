@@ -55,3 +55,13 @@ def write(workdir: str | os.PathLike, name: str, markdown: str,
                                                 default=str))
   print('\n' + markdown)
   print(f'wrote {path / (name + ".md")}, {path / (name + ".json")}')
+
+
+def require_optimizers(names) -> None:
+  """Raises a usage error naming any of ``names`` not in the registry."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from loc_opt import inner  # pylint: disable=g-import-not-at-top
+  missing = [n for n in names if n not in inner.OPTIMIZERS]
+  if missing:
+    raise app.UsageError(f'optimizers {missing} are not in '
+                         f'loc_opt.inner.OPTIMIZERS {sorted(inner.OPTIMIZERS)}')

@@ -100,13 +100,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
-  from loc_opt import inner  # pylint: disable=g-import-not-at-top
   from loc_opt import train  # pylint: disable=g-import-not-at-top
 
-  missing = [n for n in _OPTIMIZERS.value if n not in inner.OPTIMIZERS]
-  if missing:
-    raise app.UsageError(f'optimizers {missing} are not in '
-                         f'loc_opt.inner.OPTIMIZERS {sorted(inner.OPTIMIZERS)}')
+  _runs.require_optimizers(_OPTIMIZERS.value)
   wd = _WORKDIR.value
   base = _runs.variant(_CONFIG.value, log_every=1,
                        optimizer__grad_clip_norm=0.0)

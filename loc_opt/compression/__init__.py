@@ -20,7 +20,6 @@
 
 from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import identity
-from loc_opt.compression.codecs import int8
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
 from loc_opt.compression.compressor import as_compressor
@@ -50,6 +49,7 @@ from loc_opt.compression.quant import fp4_codec
 from loc_opt.compression.quant import fp8_codec
 from loc_opt.compression.quant import int4_codec
 from loc_opt.compression.quant import int8_codec
+from loc_opt.compression.quant import int8_codec as int8
 from loc_opt.compression.quant import two_bit_codec
 from loc_opt.compression.registry import CODECS
 from loc_opt.compression.registry import COMPRESSORS

@@ -8,15 +8,12 @@ as dequantized fp32).
 
 Codecs are stateless; state (error feedback, warm starts) lives in the
 compressors of :mod:`loc_opt.compression.compressor`, which turn any codec
-into a mean over workers.
-
-References:
-  Dettmers, Lewis, Shleifer, Zettlemoyer, *8-bit Optimizers via Block-wise
-  Quantization*, 2022 (block-wise absmax scaling).
+into a mean over workers. This module holds the interface and the identity;
+the quantizers are in :mod:`loc_opt.compression.quant` and the sparsifiers in
+:mod:`loc_opt.compression.sparse`.
 """
 
 from collections.abc import Callable
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -64,43 +61,4 @@ def identity() -> Codec:
       payload_bytes=lambda n: 4 * n,
       exact=True,
       linear=True,
-  )
-
-
-def int8(block_size: int = 256) -> Codec:
-  r"""Block-wise absmax int8 quantization with round-to-nearest.
-
-  Each block of ``block_size`` values is sent as int8 ``q = round(x / s)``
-  with one fp32 scale ``s = max|x| / 127`` per block, so the error of every
-  element is at most ``s / 2`` and the payload is ``n + 4 n / block_size``
-  bytes (about 1/4 of fp32).
-
-  Args:
-    block_size: values per scale.
-
-  Returns:
-    The codec.
-  """
-  if block_size < 1:
-    raise ValueError(f'block_size must be >= 1, got {block_size}')
-
-  def encode(x, key=None):
-    del key
-    blocks = x.astype(jnp.float32).reshape(-1, block_size)
-    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(blocks / safe), -127, 127).astype(jnp.int8)
-    return {'values': q, 'scales': scale[:, 0]}
-
-  def decode(payload, n, key=None):
-    del key
-    x = payload['values'].astype(jnp.float32) * payload['scales'][:, None]
-    return x.reshape(-1)[:n]
-
-  return Codec(
-      name='int8',
-      encode=encode,
-      decode=decode,
-      payload_bytes=lambda n: n + 4 * math.ceil(n / block_size),
-      block_size=block_size,
   )

@@ -23,8 +23,8 @@ def test_int8_error_at_most_half_a_step_per_block():
   x = jax.random.normal(jax.random.key(0), (64 * 5,)) * \
       jnp.repeat(jnp.array([1e-3, 1.0, 30.0, 0.0, 5.0]), 64)
   payload = codec.encode(x)
-  assert payload['values'].dtype == jnp.int8
-  assert payload['values'].shape == (5, 64)
+  assert payload['codes'].dtype == jnp.int8
+  assert payload['codes'].shape == (5, 64)
   y = codec.decode(payload, x.size)
   step = np.asarray(jnp.abs(x).reshape(5, 64).max(1) / 127)
   err = np.abs(np.asarray(y - x)).reshape(5, 64).max(1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loc_opt import parallel
-from loc_opt.compression import codecs
+from loc_opt.compression import quant
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression import lgreco
@@ -87,7 +87,7 @@ def test_errors_are_measured_per_leaf_and_candidate():
   full = _normal(2, (40, 30))
   tree = {'a_low': low, 'b_full': full, 'c_bias': jnp.ones(30)}
   cands = [powersgd.powersgd(1), powersgd.powersgd(4), None,
-           codecs.int8(block_size=30)]
+           quant.int8_codec(block_size=30)]
   errors, sizes = lgreco.lgreco_errors(tree, cands)
   assert errors.shape == sizes.shape == (3, 4)
   np.testing.assert_array_equal(errors[:, 2], 0.0)  # fp32 is exact
@@ -153,7 +153,7 @@ def test_per_leaf_checks_the_leaf_count():
 def test_shard_map_bytes_follow_the_choices():
   mesh = parallel.make_worker_mesh(4, data=2)
   comp = lgreco.per_leaf([None, powersgd.powersgd(2),
-                          codecs.int8(block_size=64)])
+                          quant.int8_codec(block_size=64)])
   tree = {'a': _normal(3, (W, 128)),
           'b': _normal(4, (W, 256, 128)),
           'c': _normal(5, (W, 64, 64))}

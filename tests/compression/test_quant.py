@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from loc_opt import parallel
-from loc_opt.compression import codecs
 from loc_opt.compression import compressor
 from loc_opt.compression import packing
 from loc_opt.compression import quant
@@ -155,13 +154,17 @@ def test_zero_blocks_decode_to_exact_zeros(name):
 
 
 # ------------------------------------------------------ nearest rounding ---
-def test_int8_nearest_is_the_existing_int8_codec():
+def test_int8_nearest_is_blockwise_absmax_round_to_nearest():
+  """Matches a NumPy transcription of block-wise absmax int8 (the codec the
+  package started with): codes round(x / s) with s = max|x| / 127."""
   x = _normal(2, 512, 3.0)
-  old, new = codecs.int8(64), quant.int8_codec(64)
-  new_payload, new_y = _code(new, x)
-  old_payload, old_y = _code(old, x)
+  new_payload, new_y = _code(quant.int8_codec(64), x)
+  blocks = np.asarray(x, np.float32).reshape(-1, 64)
+  scale = np.abs(blocks).max(1, keepdims=True) / np.float32(127)
+  old_codes = np.clip(np.round(blocks / scale), -127, 127).astype(np.int8)
+  old_y = (old_codes.astype(np.float32) * scale).reshape(-1)
   np.testing.assert_array_equal(new_y, old_y)
-  np.testing.assert_array_equal(new_payload['codes'], old_payload['values'])
+  np.testing.assert_array_equal(new_payload['codes'], old_codes)
 
 
 @pytest.mark.parametrize('name,qmax', [('int8', 127), ('int4', 7)])

@@ -117,7 +117,7 @@ def test_value_codec_quantizes_the_kept_values():
   plain = sparse.topk_codec(k=k, chunk=chunk)
   assert codec.randomness == 'none' and not codec.linear
   payload = _encode(codec, x)
-  assert payload['values']['values'].dtype == jnp.int8
+  assert payload['values']['codes'].dtype == jnp.int8
   kept = (n // chunk) * k
   assert _payload_nbytes(payload) == codec.payload_bytes(n) \
       == kept * 1 + kept + 4 * (kept // 16)
