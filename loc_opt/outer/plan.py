@@ -1,0 +1,67 @@
+"""Host-side plans: which static program each step of a local-update method runs.
+
+Local-update methods talk across workers on a few steps only, and what they
+send differs between those steps (Streaming DiLoCo sends one fragment at a
+time, NoLoCo exchanges with a peer that changes every round, DES-LOC syncs
+parameters and each optimizer moment on its own period). Each method's
+``update`` therefore takes a keyword-only, static ``sync`` argument, the
+*phase* of the step: a hashable value naming what the step does (``False``:
+an inner step with no cross-worker communication). Each distinct phase is
+traced to its own program, so the compiled inner step provably moves zero
+cross-worker bytes and each sync program moves exactly its payload.
+
+A :class:`Plan` is the host-side function ``count -> phase`` (``count`` = the
+inner steps taken before the step) that a training loop uses to pick the
+program, without reading device memory. ``update(..., sync=None)`` decides
+the same thing on device from the state's counters (one program with
+``lax.cond`` / ``lax.switch``); both give the same numbers.
+"""
+
+from collections.abc import Callable, Hashable
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The phase of every step of a method, decided on the host.
+
+  Attributes:
+    phase_fn: ``count -> phase``, the phase of the step taken after
+      ``count`` inner steps (a pure function of ``count``; hashable
+      results).
+    inner: the phase of a step that does not communicate.
+  """
+
+  phase_fn: Callable[[int], Hashable]
+  inner: Hashable = False
+
+  def __call__(self, count: int) -> Hashable:
+    return self.phase_fn(int(count))
+
+  def is_sync(self, phase: Hashable) -> bool:
+    """Whether ``phase`` communicates across workers (counts as a sync)."""
+    return phase != self.inner
+
+  def phases(self, num_steps: int) -> tuple[Hashable, ...]:
+    """The distinct phases of counts ``0 .. num_steps - 1``, the inner phase
+    first, the others in order of first use."""
+    seen = {self.inner: None}
+    for count in range(num_steps):
+      seen.setdefault(self(count), None)
+    return tuple(seen)
+
+  def num_syncs(self, start: int, stop: int) -> int:
+    """Sync steps among counts ``start .. stop - 1``."""
+    return sum(self.is_sync(self(c)) for c in range(start, stop))
+
+
+def every(period: int, offset: int = 0) -> Callable[[int], bool]:
+  """``count -> bool``: true on the last step of each ``period``-step round
+  (counts ``offset + period - 1``, ``offset + 2 period - 1``, ...)."""
+  if period <= 0:
+    raise ValueError(f'period must be positive, got {period}')
+
+  def due(count: int) -> bool:
+    return count >= offset and (count - offset + 1) % period == 0
+
+  return due
