@@ -12,3 +12,9 @@ from loc_opt.parallel.runners import vmap_workers
 from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport
+from loc_opt.parallel.wallclock import Link
+from loc_opt.parallel.wallclock import WallClock
+from loc_opt.parallel.wallclock import collective_seconds
+from loc_opt.parallel.wallclock import cross_worker_transfers
+from loc_opt.parallel.wallclock import simulate as simulate_wallclock
+from loc_opt.parallel.wallclock import transfers_seconds
