@@ -101,4 +101,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.econtrol_eta = 0.1  # EControl's feedback strength.
   c.outer.compress_min_size = 0  # Smaller leaves are sent uncompressed.
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
+
+  # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
+  # the run's compiled collectives are played against these links; the
+  # summary reports simulated seconds and compute utilization per bandwidth.
+  c.wallclock = ml_collections.ConfigDict()
+  c.wallclock.step_time_s = 0.1  # Compute seconds of one step (fastest).
+  c.wallclock.bandwidths_gbps = (1.0, 100.0)  # Links between workers.
+  c.wallclock.latency_s = 0.001  # Seconds to start one message.
+  # Project the bytes to a model of this many parameters (0 = this model).
+  c.wallclock.model_params = 0
+  # Relative speed of each worker (fastest = 1; () = all equal). Synchronous
+  # methods run at the slowest worker's pace; async_local_sgd simulates
+  # these speeds in its numerics too.
+  c.wallclock.worker_speeds = ()
   return c

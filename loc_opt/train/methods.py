@@ -49,6 +49,15 @@ class Method:
     counters: ``opt_state -> (num_syncs, steps_since_sync)`` of one worker's
       state (for methods with a sync step), so a resumed or branched run
       continues its sync bookkeeping from the restored state.
+    plan: ``config -> loc_opt.outer.Plan`` for methods whose steps send
+      different things (fragments, peer groups, optimizer states): the
+      trainer compiles one program per phase and picks it on the host.
+      Such methods use a constant period (``outer.sync_schedule`` must be
+      ``'constant'``).
+    overlap_steps: ``outer_config -> int``, the inner steps a collective may
+      overlap before its result is needed (the wall-clock model).
+    waits_for_stragglers: whether every worker waits for the slowest one
+      (synchronous methods; the wall-clock model).
   """
 
   per_worker: bool
@@ -56,6 +65,10 @@ class Method:
   eval_params: Callable[[Any, Any], Any] | None = None
   has_sync: bool = False
   counters: Callable[[Any], tuple[Any, Any]] | None = None
+  plan: Callable[[ml_collections.ConfigDict], Any] | None = None
+  overlap_steps: Callable[[ml_collections.ConfigDict], int] = \
+      lambda cfg: 0
+  waits_for_stragglers: bool = True
 
 
 def check_sync_every(cfg: ml_collections.ConfigDict) -> int:

@@ -25,6 +25,7 @@ checkpoints of a run can be merged into one evaluation model (WSM,
 """
 
 import collections
+import collections.abc
 import copy
 import dataclasses
 import functools
@@ -48,6 +49,7 @@ from loc_opt import schedules
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import methods as methods_lib
 from loc_opt.train import metrics as metrics_lib
+from loc_opt.train import simulated_time
 from loc_opt.train import spikes as spikes_lib
 
 P = jax.P
@@ -98,6 +100,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   lr_schedule = _lr_schedule(config)
   if method.has_sync:
     methods_lib.make_sync_every(config, lr_schedule)
+  if method.plan is not None:
+    sched = config.outer.get('sync_schedule', 'constant')
+    if sched != 'constant':
+      raise ValueError(f'outer.method={config.outer.method!r} syncs on a '
+                       f'fixed plan; outer.sync_schedule must be '
+                       f"'constant', got {sched!r}")
+    method.plan(config)  # validates the method's own fields
+  simulated_time.validate(config)
   if config.outer.method != 'data_parallel':
     methods_lib.make_compressor(config.outer)
   spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
@@ -176,24 +186,82 @@ def state_shardings(abstract_state, param_specs, mesh, per_worker: bool):
   return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state)
 
 
+class StepPrograms(collections.abc.Mapping):
+  """``phase -> compiled train step``, compiled on first use.
+
+  A phase is the static ``sync`` value a method's ``update`` takes
+  (``loc_opt.outer.plan``): ``False`` for an inner step, ``True`` for a
+  DiLoCo sync, a fragment / peer-group / state tuple for the methods that
+  send different things on different steps. Compiling one program per phase
+  keeps each program's collectives exactly what that step sends; they are
+  read from the compiled HLO when the program is built.
+
+  Iterating lists the phases compiled so far.
+  """
+
+  def __init__(self, compile_fn, phases):
+    self._compile = compile_fn
+    self.phases = tuple(phases)  # every phase this run may use
+    self._steps: dict[Any, Any] = {}
+    self.bytes: dict[Any, int] = {}  # cross-worker bytes (all devices)
+    # cross-worker collectives: (kind, bytes one worker contributes)
+    self.transfers: dict[Any, tuple[tuple[str, float], ...]] = {}
+
+  def __getitem__(self, phase):
+    if phase not in self._steps:
+      if phase not in self.phases:
+        raise KeyError(phase)
+      compiled, report = self._compile(phase)
+      self._steps[phase] = compiled
+      self.bytes[phase] = int(report.cross_worker_bytes)
+      self.transfers[phase] = parallel.cross_worker_transfers(report)
+    return self._steps[phase]
+
+  def __iter__(self):
+    return iter(self._steps)
+
+  def __len__(self):
+    return len(self._steps)
+
+
+class _BytesView(collections.abc.Mapping):
+  """``phase -> cross-worker bytes``; compiles the phase if needed."""
+
+  def __init__(self, steps: StepPrograms):
+    self._steps = steps
+
+  def __getitem__(self, phase):
+    self._steps[phase]
+    return self._steps.bytes[phase]
+
+  def __iter__(self):
+    return iter(self._steps.bytes)
+
+  def __len__(self):
+    return len(self._steps.bytes)
+
+
 @dataclasses.dataclass
 class Programs:
   """The compiled steps and what their collectives move.
 
   Attributes:
-    steps: sync? -> the compiled train step (``jax.stages.Compiled``, so it
-      can never recompile).
-    bytes_per_step: sync? -> cross-worker bytes of that step (all devices).
+    steps: phase -> the compiled train step (``jax.stages.Compiled``, so it
+      can never recompile); see :class:`StepPrograms`.
     eval_fn: ``(state, batch) -> per-worker loss`` at the eval weights.
     eval_params_fn: ``state -> eval weights`` (laid out like the params).
     params_loss_fn: ``(params, batch) -> per-worker loss`` of given weights
       (e.g. a WSM merge).
   """
-  steps: dict[bool, Any]
-  bytes_per_step: dict[bool, int]
+  steps: StepPrograms
   eval_fn: Any
   eval_params_fn: Any
   params_loss_fn: Any
+
+  @property
+  def bytes_per_step(self) -> collections.abc.Mapping:
+    """phase -> cross-worker bytes of that step (all devices)."""
+    return _BytesView(self.steps)
 
 
 def _loss_fn(model, params, batch):
@@ -202,7 +270,7 @@ def _loss_fn(model, params, batch):
 
 
 def _build_programs(config, model, tx, method, mesh, shardings,
-                    abstract_state, eval_params) -> Programs:
+                    abstract_state, eval_params, phases) -> Programs:
   m = config.mesh
   batch_axes = ('data', 'fsdp')
   if method.per_worker:
@@ -243,14 +311,13 @@ def _build_programs(config, model, tx, method, mesh, shardings,
                    out_shardings=(shardings, loss_sharding),
                    donate_argnums=0)
 
-  variants = (False, True) if method.has_sync else (False,)
-  steps, nbytes = {}, {}
-  for sync in variants:
-    jitted = make_step(sync)
-    compiled = jitted.lower(abstract_state, abstract_batch).compile()
-    report = parallel.collective_bytes(compiled, mesh)
-    steps[sync] = compiled
-    nbytes[sync] = int(report.cross_worker_bytes)
+  def compile_phase(phase):
+    compiled = make_step(phase).lower(abstract_state,
+                                      abstract_batch).compile()
+    return compiled, parallel.collective_bytes(compiled, mesh)
+
+  steps = StepPrograms(compile_phase, phases)
+  steps[phases[0]]  # the inner step, compiled now
 
   # Evaluation: every worker evaluates its eval weights on its slice of the
   # eval batch, so evaluation itself crosses no worker boundary.
@@ -279,7 +346,7 @@ def _build_programs(config, model, tx, method, mesh, shardings,
       in_shardings=(shardings,), out_shardings=shardings['params'])
   params_loss_fn = jax.jit(per_worker(worker_params_loss),
                            in_shardings=(shardings['params'], eval_sharding))
-  return Programs(steps=steps, bytes_per_step=nbytes, eval_fn=eval_fn,
+  return Programs(steps=steps, eval_fn=eval_fn,
                   eval_params_fn=eval_params_fn,
                   params_loss_fn=params_loss_fn)
 
@@ -298,7 +365,10 @@ class Experiment:
     abstract_state: the train state's shapes, dtypes and shardings.
     programs: the compiled steps, their cross-worker bytes, and evaluation.
     lr_schedule: the inner learning-rate schedule.
-    sync_plan: which steps sync (None for methods without a sync step).
+    sync_plan: which steps sync, for DiLoCo-style methods whose period
+      may follow a schedule (None otherwise).
+    plan: the phase of every step, for methods that send different things
+      on different steps (``loc_opt.outer.Plan``; None otherwise).
     spike_steps: the counts at which gradient spikes are injected.
   """
 
@@ -312,7 +382,21 @@ class Experiment:
   programs: Programs
   lr_schedule: optax.Schedule
   sync_plan: methods_lib.SyncPlan | None
+  plan: Any
   spike_steps: list[int]
+
+  def phase(self, step: int, since_sync: int) -> Any:
+    """The phase (static ``sync`` value) of the step after ``step`` steps."""
+    if self.plan is not None:
+      return self.plan(step)
+    return self.sync_plan is not None and self.sync_plan.syncs(step,
+                                                               since_sync)
+
+  def is_sync(self, phase: Any) -> bool:
+    """Whether a step of ``phase`` counts as a sync."""
+    if self.plan is not None:
+      return self.plan.is_sync(phase)
+    return bool(phase)
 
   @functools.cached_property
   def _init_fn(self):
@@ -347,6 +431,7 @@ def build_experiment(config: ml_collections.ConfigDict,
   lr_schedule = _lr_schedule(config)
   sync_every = (methods_lib.make_sync_every(config, lr_schedule)
                 if method.has_sync else None)
+  plan = None if method.plan is None else method.plan(config)
   tx = method.build(config.outer, _make_inner(config, lr_schedule),
                     parallel.WORKER, sync_every)
   init = functools.partial(_init_state, model=model, tx=tx, method=method,
@@ -356,14 +441,18 @@ def build_experiment(config: ml_collections.ConfigDict,
                               method.per_worker)
   abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
   eval_params = methods_lib.eval_params_fn(method, abstract['opt_state'])
+  if plan is not None:
+    phases = plan.phases(config.num_steps)
+  else:
+    phases = (False, True) if method.has_sync else (False,)
   programs = _build_programs(config, model, tx, method, mesh, shardings,
-                             abstract, eval_params)
+                             abstract, eval_params, phases)
   sync_plan = (methods_lib.SyncPlan(sync_every, config.num_steps)
-               if method.has_sync else None)
+               if method.has_sync and plan is None else None)
   _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
                                                  config.num_steps)
   return Experiment(config, mesh, model, method, tx, shardings, abstract,
-                    programs, lr_schedule, sync_plan, spike_steps)
+                    programs, lr_schedule, sync_plan, plan, spike_steps)
 
 
 # Fields that do not change what build_experiment compiles: runs that differ
@@ -465,10 +554,6 @@ def _init_state(rng, *, model, tx, method, workers):
   }
 
 
-def _is_sync(exp: Experiment, step: int, since_sync: int) -> bool:
-  return exp.sync_plan is not None and exp.sync_plan.syncs(step, since_sync)
-
-
 def _mean_loss(loss_fn, eval_batches, config, per_worker) -> float:
   losses = []
   for batch in eval_batches:
@@ -483,11 +568,35 @@ def _eval(programs, state, eval_batches, config, per_worker) -> float:
                     config, per_worker)
 
 
+def _sync_bytes(exp: Experiment) -> int | None:
+  """Cross-worker bytes of a sync step: DiLoCo's one sync program, or the
+  largest of the phases compiled so far for methods with a plan."""
+  nbytes = exp.programs.bytes_per_step
+  if exp.plan is not None:
+    synced = [v for k, v in nbytes.items() if exp.plan.is_sync(k)]
+    return max(synced) if synced else None
+  return nbytes.get(True)
+
+
+def wallclock_summary(exp: Experiment) -> dict[str, Any]:
+  """Simulated wall-clock of a full run (``loc_opt.train.simulated_time``)."""
+  return simulated_time.wallclock_summary(exp)
+
+
 def _counters(exp: Experiment, state, step: int) -> tuple[int, int, int]:
   """``(since_sync, syncs, cross-worker bytes)`` after ``step`` steps of a
   restored state: read from the state, so branches from another run's
   checkpoint (whose sync schedule may differ) count right too."""
   nbytes = exp.programs.bytes_per_step
+  if exp.plan is not None:  # a fixed plan: replay it
+    since = syncs = total = 0
+    for count in range(step):
+      phase = exp.plan(count)
+      total += nbytes[phase]
+      synced = exp.plan.is_sync(phase)
+      syncs += synced
+      since = 0 if synced else since + 1
+    return since, syncs, total
   if exp.method.counters is None:
     return 0, 0, step * nbytes[False]
   syncs, since = (int(np.asarray(jax.device_get(x)).reshape(-1)[0])
@@ -569,16 +678,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     while step < config.num_steps:
       if halt_after and step - start >= halt_after:
         break
-      sync = _is_sync(exp, step, since_sync)
+      phase = exp.phase(step, since_sync)
+      synced = exp.is_sync(phase)
       batch = data.train.batch(position)
       position += 1
       if not method.per_worker:
         batch = batch.reshape(-1, batch.shape[-1])
-      state, loss_arr = programs.steps[sync](state, batch)
+      state, loss_arr = programs.steps[phase](state, batch)
       step += 1
-      since_sync = 0 if sync else since_sync + 1
-      syncs += int(sync)
-      step_bytes = programs.bytes_per_step[sync]
+      since_sync = 0 if synced else since_sync + 1
+      syncs += int(synced)
+      step_bytes = programs.bytes_per_step[phase]
       cum_bytes += step_bytes
       log_now = step % config.log_every == 0 or step == config.num_steps
       eval_now = (config.eval_every and step % config.eval_every == 0) or \
@@ -596,7 +706,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
             'comm/cross_worker_bytes_total': cum_bytes,
             'comm/syncs': syncs,
         }
-        sync_bytes = programs.bytes_per_step.get(True)
+        sync_bytes = _sync_bytes(exp)
         if sync_bytes is not None:
           scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
         if eval_now:
@@ -631,8 +741,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         'cross_worker_bytes': cum_bytes,
         'syncs': syncs,
         'data_parallel_cross_worker_bytes': dp_step * config.num_steps,
-        'bytes_per_inner_step': programs.bytes_per_step[False],
-        'bytes_per_sync_step': programs.bytes_per_step.get(True),
+        'bytes_per_inner_step': programs.bytes_per_step[
+            programs.steps.phases[0]],
+        'bytes_per_sync_step': _sync_bytes(exp),
+        'peak_bytes_per_step': max(programs.bytes_per_step.values()),
+        'bytes_per_phase': {str(k): v for k, v in
+                            programs.bytes_per_step.items()},
+        'wallclock': wallclock_summary(exp),
         'num_params': exp.model.num_params,
         'compile_seconds': compile_s,
         'train_seconds_this_run': train_time,

@@ -1,0 +1,121 @@
+"""Simulated wall-clock time of a run from its compiled collectives.
+
+The ``wallclock`` config section describes the machine a run is imagined
+on: the compute time of one step, the bandwidth(s) and latency of the links
+between workers, and the workers' relative speeds. The run's own programs
+supply what crosses workers on every step (read from their HLO), and
+:mod:`loc_opt.parallel.wallclock` turns both into seconds.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from loc_opt import parallel
+
+
+def worker_speeds(config: ml_collections.ConfigDict) -> tuple[float, ...]:
+  """``wallclock.worker_speeds``, validated: one speed per worker relative
+  to the fastest (steps per step of the fastest, in (0, 1], max 1); all 1
+  when empty."""
+  speeds = tuple(config.get('wallclock', {}).get('worker_speeds', ()) or ())
+  workers = config.mesh.workers
+  if not speeds:
+    return (1.0,) * workers
+  if len(speeds) != workers:
+    raise ValueError(f'wallclock.worker_speeds has {len(speeds)} entries for '
+                     f'mesh.workers={workers}; give one speed per worker')
+  if any(not 0 < float(s) <= 1 for s in speeds) or max(speeds) != 1:
+    raise ValueError(f'wallclock.worker_speeds must lie in (0, 1] with the '
+                     f'fastest at 1, got {speeds}')
+  return tuple(float(s) for s in speeds)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ``ValueError`` naming a bad ``wallclock`` field."""
+  wc = config.get('wallclock')
+  if wc is None:
+    return
+  if not wc.get('step_time_s', 0.1) > 0:
+    raise ValueError(f'wallclock.step_time_s must be positive, got '
+                     f'{wc.step_time_s}')
+  bands = tuple(wc.get('bandwidths_gbps', ()) or ())
+  if any(not float(b) > 0 for b in bands):
+    raise ValueError(f'wallclock.bandwidths_gbps must be positive, got '
+                     f'{bands}')
+  if wc.get('latency_s', 0.0) < 0:
+    raise ValueError(f'wallclock.latency_s must be >= 0, got '
+                     f'{wc.latency_s}')
+  if wc.get('model_params', 0) < 0:
+    raise ValueError(f'wallclock.model_params must be >= 0, got '
+                     f'{wc.model_params}')
+  worker_speeds(config)
+
+
+def run_phases(exp: Any, num_steps: int | None = None) -> list[Any]:
+  """The phase of every step of a run of ``exp`` from step 0."""
+  num_steps = exp.config.num_steps if num_steps is None else num_steps
+  phases, since = [], 0
+  for count in range(num_steps):
+    phase = exp.phase(count, since)
+    phases.append(phase)
+    since = 0 if exp.is_sync(phase) else since + 1
+  return phases
+
+
+def simulate_run(exp: Any, link: parallel.Link, *,
+                 step_time_s: float, model_params: int = 0,
+                 speeds: Sequence[float] | None = None
+                 ) -> parallel.WallClock:
+  """Simulated wall-clock of a whole run of ``exp`` on ``link``.
+
+  Args:
+    exp: a built ``Experiment``.
+    link: the link between workers.
+    step_time_s: compute seconds of one step of the fastest worker.
+    model_params: project the bytes to a model of this many parameters
+      (bytes scale linearly); 0 keeps the run's own model.
+    speeds: workers' relative speeds (default: ``wallclock.worker_speeds``).
+
+  Returns:
+    The :class:`loc_opt.parallel.WallClock`.
+  """
+  config, method = exp.config, exp.method
+  speeds = worker_speeds(config) if speeds is None else tuple(speeds)
+  scale = model_params / exp.model.num_params if model_params else 1.0
+  steps = exp.programs.steps
+  seconds_of = {}
+  comm = []
+  for phase in run_phases(exp):
+    if phase not in seconds_of:
+      steps[phase]  # compiled if this run has not used it yet
+      transfers = [(kind, n * scale) for kind, n in steps.transfers[phase]]
+      seconds_of[phase] = parallel.transfers_seconds(
+          transfers, config.mesh.workers, link)
+    comm.append(seconds_of[phase])
+  slowdown = (1.0 / min(speeds)) if method.waits_for_stragglers else 1.0
+  return parallel.simulate_wallclock(
+      comm, step_time_s=step_time_s,
+      overlap_steps=method.overlap_steps(config.outer), slowdown=slowdown)
+
+
+def wallclock_summary(exp: Any) -> dict[str, Any]:
+  """The ``wallclock`` part of a run summary: per bandwidth, simulated
+  seconds, compute utilization and exposed communication seconds."""
+  wc = exp.config.get('wallclock') or ml_collections.ConfigDict()
+  out = {'step_time_s': float(wc.get('step_time_s', 0.1)),
+         'latency_s': float(wc.get('latency_s', 0.0)),
+         'model_params': int(wc.get('model_params', 0)),
+         'worker_speeds': list(worker_speeds(exp.config))}
+  for gbps in wc.get('bandwidths_gbps', (1.0, 100.0)) or ():
+    clock = simulate_run(
+        exp, parallel.Link(float(gbps), out['latency_s']),
+        step_time_s=out['step_time_s'], model_params=out['model_params'])
+    out[f'{float(gbps):g}gbps'] = {
+        'seconds': clock.total_s,
+        'utilization': float(np.round(clock.utilization, 6)),
+        'exposed_comm_seconds': clock.exposed_comm_s,
+    }
+  return out
