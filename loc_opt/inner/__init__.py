@@ -28,6 +28,8 @@ from loc_opt.inner.layer_dropout import drop_muon
 from loc_opt.inner.layer_dropout import sampled_layers
 from loc_opt.inner.layer_dropout import scale_by_drop_muon
 from loc_opt.inner.lowrank_residual import fira
+from loc_opt.inner.multi_timescale import multi_timescale_adam
+from loc_opt.inner.multi_timescale import scale_by_multi_timescale
 from loc_opt.inner.lowrank_residual import scale_by_fira
 from loc_opt.inner.orthonormal import dion
 from loc_opt.inner.orthonormal import scale_by_dion

@@ -13,6 +13,7 @@ import optax
 
 from loc_opt.inner import layer_dropout as _layer_dropout
 from loc_opt.inner import lowrank_residual as _lowrank_residual
+from loc_opt.inner import multi_timescale as _multi_timescale
 from loc_opt.inner import orthonormal as _orthonormal
 from loc_opt.inner import spike_aware as _spam
 from loc_opt.inner import subspace as _subspace
@@ -34,6 +35,8 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'fira': _lowrank_residual.fira,
     'dion': _orthonormal.dion,
     'drop_muon': _layer_dropout.drop_muon,
+    # MT-DAO's inner optimizer (slow momenta mixed with the gradient).
+    'multi_timescale_adam': _multi_timescale.multi_timescale_adam,
     # Schedule-free (evaluate at loc_opt.schedules.schedule_free_eval_params).
     'schedule_free_adamw': _schedule_free.schedule_free_adamw,
     'schedule_free_sgd': _schedule_free.schedule_free_sgd,
@@ -48,6 +51,8 @@ STATIC_ARGS: Mapping[str, tuple[str, ...]] = {
     'frugal': ('rank', 'density'),
     'fira': ('rank',),
     'dion': ('rank', 'rank_fraction'),
+    # Tuples: one entry per slow momentum (their count sets state shapes).
+    'multi_timescale_adam': ('slow_betas', 'slow_weights'),
 }
 
 

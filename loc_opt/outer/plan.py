@@ -30,16 +30,23 @@ class Plan:
       ``count`` inner steps (a pure function of ``count``; hashable
       results).
     inner: the phase of a step that does not communicate.
+    sync_fn: ``phase -> bool``, whether a phase counts as a sync (sends
+      across workers); default: every phase but ``inner``. A phase that
+      only applies a result sent earlier (Streaming DiLoCo's overlapped
+      outer update) is not a sync.
   """
 
   phase_fn: Callable[[int], Hashable]
   inner: Hashable = False
+  sync_fn: Callable[[Hashable], bool] | None = None
 
   def __call__(self, count: int) -> Hashable:
     return self.phase_fn(int(count))
 
   def is_sync(self, phase: Hashable) -> bool:
     """Whether ``phase`` communicates across workers (counts as a sync)."""
+    if self.sync_fn is not None:
+      return bool(self.sync_fn(phase))
     return phase != self.inner
 
   def phases(self, num_steps: int) -> tuple[Hashable, ...]:

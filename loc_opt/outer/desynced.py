@@ -1,0 +1,505 @@
+"""DES-LOC, Local Adam and MT-DAO: each state averaged on its own period.
+
+Local Adam averages the parameters *and* both Adam moments over workers
+every ``K`` steps; DiLoCo-style methods average parameters only and keep the
+moments local. DES-LOC (desynced low communication) gives every state its
+own sync period: parameters every ``K_x`` steps, the first moment every
+``K_u``, the second every ``K_v`` (by default ``3 K_x`` and ``6 K_x``). With
+every period finite the method keeps Local Adam's convergence guarantee at
+half its traffic. MT-DAO runs the same scheme over an inner optimizer with
+slow momenta (:mod:`loc_opt.inner.multi_timescale`).
+
+Each step's *phase* (see :mod:`loc_opt.outer.plan`) is ``False`` (nothing
+crosses workers) or the sorted tuple of what is averaged, e.g.
+``('mu', 'params')``.
+
+References:
+  Iacob, Sani, Kurmanji, Shen, Qiu, Cao, Lane, *DES-LOC: Desynced Low
+  Communication Adaptive Optimizers for Training Foundation Models*, 2025.
+
+  Iacob, Sani, Kurmanji, Shen, Qiu, Cao, Lane, *MT-DAO: Multi-Timescale
+  Distributed Adaptive Optimizers with Local Updates*, 2025.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loc_opt import compression
+from loc_opt.inner import multi_timescale
+from loc_opt.outer import plan as plan_lib
+
+ArrayLike = jax.typing.ArrayLike
+
+# The phase name of the parameter sync (state fields use their own names).
+PARAMS = 'params'
+# Default state periods, as multiples of the parameter period (Adam / ADOPT
+# states; ``optax.contrib.adopt`` keeps ``ScaleByAdamState`` too).
+DEFAULT_STATE_FACTORS = {'mu': 3, 'nu': 6}
+
+Phase = bool | tuple[str, ...]
+
+
+class DeslocState(NamedTuple):
+  """State of :func:`desloc` (one worker's copy).
+
+  Attributes:
+    inner_state: the inner optimizer's state; the NamedTuple fields named in
+      ``state_sync_every`` are averaged over workers on their periods.
+    anchor: the parameters of the last parameter sync (the model to
+      evaluate), a tree like the params in ``promote_types(param dtype,
+      anchor_dtype)`` (fp32 by default).
+    outer_state: the outer optimizer's state over ``anchor``; ``()`` for
+      plain averaging.
+    count: int32 scalar, inner steps taken.
+    num_syncs: int32 scalar, parameter syncs done (a diagnostic).
+  """
+
+  inner_state: optax.OptState
+  anchor: optax.Params
+  outer_state: optax.OptState
+  count: jax.Array
+  num_syncs: jax.Array
+
+
+def _check_period(value: Any, what: str) -> int:
+  if isinstance(value, bool) or isinstance(value, jax.core.Tracer):
+    raise ValueError(f'{what} must be a positive int, got {value!r}')
+  array = np.asarray(value)
+  if array.ndim or not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f'{what} must be a finite positive int, got {value!r}')
+  if int(array) <= 0:
+    raise ValueError(f'{what} must be a positive int, got {int(array)}')
+  return int(array)
+
+
+def _periods(sync_every: int,
+             state_sync_every: Mapping[str, int] | None) -> dict[str, int]:
+  """``{name: period}`` for ``'params'`` and every synced state field."""
+  k_x = _check_period(sync_every, 'sync_every')
+  if state_sync_every is None:
+    state_sync_every = {name: factor * k_x
+                        for name, factor in DEFAULT_STATE_FACTORS.items()}
+  periods = {PARAMS: k_x}
+  for name, period in state_sync_every.items():
+    if not isinstance(name, str) or name == PARAMS:
+      raise ValueError(
+          f'state_sync_every keys are state field names, got {name!r}')
+    periods[name] = _check_period(period, f'state_sync_every[{name!r}]')
+  return periods
+
+
+def _is_owner(name: str) -> Callable[[Any], bool]:
+  """Whether a node is a NamedTuple with a field ``name``."""
+  def check(node):
+    return (isinstance(node, tuple) and hasattr(node, '_fields')
+            and name in node._fields)
+  return check
+
+
+def map_state_field(state: Any, name: str, fn: Callable[[Any], Any]) -> Any:
+  """Replaces field ``name`` of every NamedTuple in ``state`` by ``fn(it)``.
+
+  Args:
+    state: an optimizer state tree (chains, ``inject_hyperparams`` and
+      ``masked`` states are searched through).
+    name: a NamedTuple field name, e.g. ``'mu'``.
+    fn: ``subtree -> subtree``.
+
+  Returns:
+    The state with each such field mapped.
+  """
+  owner = _is_owner(name)
+
+  def leaf(node):
+    if owner(node):
+      return node._replace(**{name: fn(getattr(node, name))})
+    return node
+
+  return jax.tree.map(leaf, state, is_leaf=owner)
+
+
+def find_state_field(state: Any, name: str) -> list[Any]:
+  """The subtrees stored under field ``name`` of NamedTuples in ``state``."""
+  owner = _is_owner(name)
+  nodes = jax.tree.leaves(state, is_leaf=owner)
+  return [getattr(node, name) for node in nodes if owner(node)]
+
+
+def _check_fields(inner_state: Any, names: Sequence[str]) -> None:
+  for name in names:
+    if not find_state_field(inner_state, name):
+      raise ValueError(
+          f'state_sync_every names the field {name!r}, which no NamedTuple '
+          f'of the inner optimizer state has')
+
+
+def _phase_names(sync: Any, periods: Mapping[str, int]) -> tuple[str, ...]:
+  """The names a static phase syncs (validated)."""
+  if sync is False:
+    return ()
+  if isinstance(sync, (str, bool)) or not isinstance(sync, Sequence):
+    raise ValueError(
+        f'sync must be None, False or a tuple of names among '
+        f'{sorted(periods)}, got {sync!r}')
+  unknown = [name for name in sync if name not in periods]
+  if unknown:
+    raise ValueError(f'sync names {unknown}, not among {sorted(periods)}')
+  return tuple(sorted(set(sync)))
+
+
+def desloc_phase(count: int, periods: Mapping[str, int]) -> Phase:
+  """The phase of the step after ``count`` inner steps (host side)."""
+  due = tuple(sorted(name for name, period in periods.items()
+                     if (count + 1) % period == 0))
+  return due or False
+
+
+def desloc(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    state_sync_every: Mapping[str, int] | None = None,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DES-LOC: parameters and optimizer states averaged on their own periods.
+
+  Every worker runs ``inner`` on its own gradients. After the inner update of
+  the step after ``count`` inner steps, each state field ``s`` whose period
+  is due (``(count + 1) % K_s == 0``) is replaced by its mean over workers,
+  and when the parameter period ``K_x`` is due the parameters are synced:
+
+  .. math::
+
+    \theta' = \theta + u, \qquad
+    \text{plain: } \phi \leftarrow \operatorname{mean}_{workers} \theta',
+    \qquad \text{outer: } \phi \leftarrow \phi + \mathrm{outer}(
+    \operatorname{mean}_{workers}(\phi - \theta')), \qquad
+    \theta \leftarrow \phi .
+
+  The returned update on a parameter sync is :math:`\phi - \theta`, so
+  ``optax.apply_updates`` stays the only way the parameters change. State
+  means are taken in each state's dtype; the parameter mean (or the
+  pseudo-gradient mean) in the anchor dtype. On a mesh each element crosses
+  workers once per worker (``loc_opt.compression.Comm``).
+
+  With ``K_u = K_v = K_x`` this is Local Adam (:func:`local_adam`); with
+  ``outer=optax.sgd(1.0)`` the parameter sync equals plain averaging. Every
+  state that the convergence theory covers needs a finite period: fields of
+  the inner state that are not named are never averaged (DiLoCo keeps them
+  local).
+
+  Which steps sync is decided on device from ``count`` with one ``lax.cond``
+  per synced quantity, or at trace time with the keyword-only extra argument
+  ``sync``: ``False`` traces an inner step with no collective, a tuple such
+  as ``('mu', 'params')`` traces exactly those syncs. :func:`desloc_plan`
+  gives the phase of every step on the host; both give the same numbers.
+
+  Args:
+    inner: the inner optimizer, e.g. ``optax.adamw(...)`` or
+      ``optax.contrib.adopt(...)`` (both keep ``mu`` and ``nu``).
+    sync_every: the parameter period :math:`K_x`, a positive int.
+    state_sync_every: ``{field name: period}`` for the inner state fields to
+      average, looked up in every NamedTuple of the inner state (all matches
+      are averaged). Default ``{'mu': 3 K_x, 'nu': 6 K_x}``. Every period is
+      a finite positive int.
+    outer: the optimizer of the parameter sync, fed the averaged
+      pseudo-gradient :math:`\operatorname{mean}(\phi - \theta')` (e.g.
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``); ``None`` for plain
+      averaging.
+    axis_name: the worker axis; ``None`` for one worker (no collectives).
+    anchor_dtype: the minimum precision of the anchor, the parameter mean
+      and the outer state (fp32 by default).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: on a period that is not a positive int, or (at ``init``) a
+      field of ``state_sync_every`` that the inner state lacks.
+
+  Example:
+    >>> import optax
+    >>> from loc_opt.outer import desynced
+    >>> tx = desynced.desloc(optax.adamw(3e-4, b1=0.95, b2=0.9999),
+    ...                      sync_every=256)
+    >>> plan = desynced.desloc_plan(256)
+
+  References:
+    Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
+    for Training Foundation Models*, 2025.
+  """
+  periods = _periods(sync_every, state_sync_every)
+  fields = tuple(name for name in sorted(periods) if name != PARAMS)
+  inner = optax.with_extra_args_support(inner)
+  comm = None if axis_name is None else compression.Comm(axis_name)
+
+  def mean(tree):
+    return tree if comm is None else comm.pmean(tree)
+
+  def varying(tree):
+    return tree if comm is None else comm.varying(tree)
+
+  def init_fn(params):
+    inner_state = inner.init(params)
+    _check_fields(inner_state, fields)
+    anchor = jax.tree.map(
+        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
+        params)
+    zero = jnp.zeros([], jnp.int32)
+    return DeslocState(
+        inner_state=inner_state,
+        anchor=anchor,
+        outer_state=() if outer is None else outer.init(anchor),
+        count=zero,
+        num_syncs=zero,
+    )
+
+  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+    if params is None:
+      raise ValueError('desloc needs params: call update(updates, state, '
+                       'params)')
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    _check_fields(inner_state, fields)
+
+    def sync_field(name, inner_state):
+      return varying(map_state_field(inner_state, name, mean))
+
+    def sync_params(_):
+      local = optax.apply_updates(params, inner_updates)
+      if outer is None:
+        anchor = mean(jax.tree.map(lambda a, x: x.astype(a.dtype),
+                                   state.anchor, local))
+        outer_state = state.outer_state
+      else:
+        delta = mean(jax.tree.map(lambda a, x: a - x.astype(a.dtype),
+                                  state.anchor, local))
+        outer_updates, outer_state = outer.update(
+            delta, state.outer_state, state.anchor)
+        anchor = optax.apply_updates(state.anchor, outer_updates)
+      new_updates = jax.tree.map(
+          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
+      return (*varying((new_updates, anchor, outer_state)),
+              jnp.ones([], jnp.int32))
+
+    def keep_params(_):
+      return (inner_updates, state.anchor, state.outer_state,
+              jnp.zeros([], jnp.int32))
+
+    if sync is None:
+      def due(name):
+        return (state.count + 1) % periods[name] == 0
+
+      for name in fields:
+        inner_state = jax.lax.cond(
+            due(name), lambda s, n=name: sync_field(n, s), lambda s: s,
+            inner_state)
+      out = jax.lax.cond(due(PARAMS), sync_params, keep_params, None)
+    else:
+      names = _phase_names(sync, periods)
+      for name in names:
+        if name != PARAMS:
+          inner_state = sync_field(name, inner_state)
+      out = sync_params(None) if PARAMS in names else keep_params(None)
+    new_updates, anchor, outer_state, synced = out
+    return new_updates, DeslocState(
+        inner_state=inner_state,
+        anchor=anchor,
+        outer_state=outer_state,
+        count=optax.safe_increment(state.count),
+        num_syncs=state.num_syncs + synced,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def local_adam(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    state_fields: Sequence[str] = ('mu', 'nu'),
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Local Adam: parameters and all moments averaged every ``sync_every``.
+
+  :func:`desloc` with every state on the parameter period: three payloads
+  per sync, twice DES-LOC's default traffic.
+
+  Args:
+    inner: the inner optimizer (Adam, AdamW, ADOPT, ...).
+    sync_every: the common period ``K``, a positive int.
+    state_fields: the inner state fields to average with the parameters.
+    outer: as in :func:`desloc` (``None``: plain averaging).
+    axis_name: the worker axis; ``None`` for one worker.
+    anchor_dtype: as in :func:`desloc`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import optax
+    >>> from loc_opt.outer import desynced
+    >>> tx = desynced.local_adam(optax.adam(1e-3), sync_every=32)
+
+  References:
+    Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
+    for Training Foundation Models*, 2025 (Local Adam is its baseline).
+  """
+  k = _check_period(sync_every, 'sync_every')
+  return desloc(inner, sync_every=k,
+                state_sync_every={name: k for name in state_fields},
+                outer=outer, axis_name=axis_name, anchor_dtype=anchor_dtype)
+
+
+def mt_dao(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    sync_every: int,
+    slow_sync_every: int | None = None,
+    nu_sync_every: int | None = None,
+    slow_betas: Sequence[ArrayLike] = (0.995,),
+    slow_weights: Sequence[ArrayLike] = (0.8,),
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    weight_decay: ArrayLike = 0.0,
+    mask: Any = None,
+    mu_dtype: Any = None,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  r"""MT-DAO: DES-LOC over multi-timescale Adam.
+
+  :func:`desloc` of :func:`loc_opt.inner.multi_timescale.multi_timescale_adam`
+  with the parameters synced every :math:`K_x` = ``sync_every`` steps, the
+  slow momenta (field ``slow``, all on one period) every ``slow_sync_every``
+  and the second moment (``nu``) every ``nu_sync_every``; both default to
+  :math:`K_x` (the paper's :math:`K_x = K_1 = K_v = 32`).
+
+  Args:
+    learning_rate: the inner learning rate (scalar or schedule).
+    sync_every: the parameter period :math:`K_x`.
+    slow_sync_every: the period of the slow momenta (default ``sync_every``).
+    nu_sync_every: the period of the second moment (default ``sync_every``).
+    slow_betas: decays of the slow momenta.
+    slow_weights: their mixing weights.
+    b2: decay of the second moment.
+    eps: added to the denominator.
+    weight_decay: decoupled weight decay.
+    mask: which leaves decay.
+    mu_dtype: dtype of the slow momenta.
+    outer: as in :func:`desloc` (``None``: plain averaging).
+    axis_name: the worker axis; ``None`` for one worker.
+    anchor_dtype: as in :func:`desloc`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> from loc_opt.outer import desynced
+    >>> tx = desynced.mt_dao(3e-4, sync_every=32, b2=0.9999)
+
+  References:
+    Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
+    with Local Updates*, 2025.
+  """
+  inner = multi_timescale.multi_timescale_adam(
+      learning_rate, slow_betas=slow_betas, slow_weights=slow_weights, b2=b2,
+      eps=eps, weight_decay=weight_decay, mask=mask, mu_dtype=mu_dtype)
+  k_x = _check_period(sync_every, 'sync_every')
+  return desloc(
+      inner,
+      sync_every=k_x,
+      state_sync_every={
+          'slow': (k_x if slow_sync_every is None
+                   else _check_period(slow_sync_every, 'slow_sync_every')),
+          'nu': (k_x if nu_sync_every is None
+                 else _check_period(nu_sync_every, 'nu_sync_every')),
+      },
+      outer=outer,
+      axis_name=axis_name,
+      anchor_dtype=anchor_dtype,
+  )
+
+
+def desloc_plan(
+    sync_every: int, state_sync_every: Mapping[str, int] | None = None
+) -> plan_lib.Plan:
+  """The host-side plan of :func:`desloc` with the same periods.
+
+  The phase of the step after ``count`` inner steps is the sorted tuple of
+  the names (``'params'`` and state fields) whose period divides
+  ``count + 1``, or ``False`` when none does.
+
+  Args:
+    sync_every: the parameter period, as given to :func:`desloc`.
+    state_sync_every: the state periods, as given to :func:`desloc`
+      (``None``: its defaults).
+
+  Returns:
+    A :class:`loc_opt.outer.plan.Plan`.
+
+  Example:
+    >>> from loc_opt.outer import desynced
+    >>> plan = desynced.desloc_plan(2)
+    >>> [plan(c) for c in range(6)]
+    [False, ('params',), False, ('params',), False, ('mu', 'params')]
+  """
+  periods = _periods(sync_every, state_sync_every)
+  return plan_lib.Plan(lambda count: desloc_phase(count, periods),
+                       inner=False)
+
+
+def desloc_eval_params(state: DeslocState, params: optax.Params) -> Any:
+  """The weights to evaluate: those of the last parameter sync (the mean of
+  the workers, or the outer optimizer's anchor), in the params' dtypes.
+
+  Between parameter syncs the workers' parameters drift apart; the anchor
+  is the one model they share.
+  """
+  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+
+
+def _tree_bytes(tree: Any) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def desloc_phase_bytes(state: DeslocState, phase: Phase) -> int:
+  """Bytes one worker sends in a step of ``phase``.
+
+  The sum of the payloads of what the phase averages: ``'params'`` the
+  anchor-dtype parameters (or pseudo-gradient), each state field its own
+  leaves (all the NamedTuples that hold it). ``False`` sends nothing.
+
+  Args:
+    state: one worker's :class:`DeslocState`, or its abstract shapes
+      (``jax.eval_shape(tx.init, params)``).
+    phase: a phase of :func:`desloc_plan`.
+
+  Returns:
+    Bytes per worker per step of that phase (each element sent once, as
+    ``loc_opt.compression.Comm`` does on a mesh).
+  """
+  if phase is False:
+    return 0
+  total = 0
+  for name in sorted(set(phase)):
+    if name == PARAMS:
+      total += _tree_bytes(state.anchor)
+    else:
+      found = find_state_field(state.inner_state, name)
+      if not found:
+        raise ValueError(f'phase names {name!r}, which the inner state lacks')
+      total += _tree_bytes(found)
+  return total

@@ -1,0 +1,251 @@
+"""Eager updates: overlap a whole outer round of communication in DiLoCo.
+
+The all-reduce of round ``r``'s pseudo-gradients may take the whole next
+inner phase. Waiting for it (a one-round delay) hurts; instead each worker
+steps its own outer parameters at once with a proxy made of its own fresh
+pseudo-gradient and the other workers' pseudo-gradients of the previous
+round, which have arrived by then. The workers' outer parameters therefore
+differ slightly: every worker keeps its own ``phi_m`` and outer state.
+
+In this synchronous SPMD program the all-reduce runs on the sync step and
+its result is stored until the next sync: the numerics of the overlap are
+reproduced, not its speed.
+
+References:
+  Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and
+  Computation in DiLoCo*, 2025. https://arxiv.org/abs/2502.12996
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from loc_opt import compression
+# `loc_opt.outer.diloco` is shadowed by the function of that name.
+from loc_opt.outer.diloco import nesterov_outer
+from loc_opt.outer.diloco import pseudo_gradient_bytes
+from loc_opt.outer import plan as plan_lib
+
+
+class EagerDilocoState(NamedTuple):
+  """State of :func:`eager_diloco` (one worker's copy).
+
+  Attributes:
+    inner_state: the inner optimizer's state, never averaged or reset.
+    anchor: this worker's outer parameters ``phi_m`` (same tree as the
+      params; dtype ``promote_types(param dtype, anchor_dtype)``).
+    outer_state: this worker's outer optimizer state, over ``anchor``.
+    prev_sent: this worker's pseudo-gradient of the previous round as it
+      entered the average (after the codec, if any); anchor dtypes; zeros
+      before the first sync.
+    prev_mean: the average over workers of the previous round's
+      pseudo-gradients (the all-reduce "in flight" during this round);
+      anchor dtypes; zeros before the first sync.
+    count: int32 scalar, inner steps taken.
+    steps_since_sync: int32 scalar, inner steps since the last sync.
+    num_syncs: int32 scalar, syncs done.
+    codec_state: the pseudo-gradient compressor's per-worker state (kept
+      across syncs); ``()`` without a codec.
+  """
+
+  inner_state: optax.OptState
+  anchor: optax.Params
+  outer_state: optax.OptState
+  prev_sent: optax.Params
+  prev_mean: optax.Params
+  count: jax.Array
+  steps_since_sync: jax.Array
+  num_syncs: jax.Array
+  codec_state: Any = ()
+
+
+def _check_sync_every(sync_every: Any) -> int:
+  if (isinstance(sync_every, bool) or not isinstance(sync_every, int)
+      or sync_every <= 0):
+    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
+  return sync_every
+
+
+def eager_diloco(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+    codec: compression.Compressor | compression.Codec | None = None,
+    codec_seed: int = 0,
+    naive: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DiLoCo with eager outer updates (one round of communication overlap).
+
+  Every ``H = sync_every`` inner steps, worker ``m`` forms its local
+  parameters after the inner update, ``theta'_m``, its pseudo-gradient
+  :math:`\Delta_m^{(r)} = \phi_m - \theta'_m`, and starts the average
+  :math:`\bar\Delta^{(r)}` over the ``M`` workers, which is only used in the
+  next round. The outer step uses the eager proxy
+
+  .. math::
+
+    \tilde\Delta_m^{(r)} = \tfrac{1}{M} \Delta_m^{(r)}
+      + \bar\Delta^{(r-1)} - \tfrac{1}{M} \Delta_m^{(r-1)}, \quad
+    \phi_m \leftarrow \phi_m + \mathrm{outer}_m(\tilde\Delta_m^{(r)}),
+    \quad \theta_m \leftarrow \phi_m,
+
+  its own fresh share plus the other workers' shares of the previous round
+  (zeros before the first sync). With ``naive=True`` the proxy is
+  :math:`\bar\Delta^{(r-1)}` alone (the one-round-delayed ablation). With
+  ``M = 1`` the eager proxy is :math:`\Delta^{(r)}`: plain DiLoCo.
+
+  With a codec, :math:`\Delta_m^{(r-1)}` is what this worker contributed to
+  the average (its value after compression), so the subtraction removes
+  exactly its own stale share; the fresh share is exact (it never leaves the
+  worker).
+
+  ``update(..., sync=None)`` decides on device from the step counter;
+  ``sync=True`` / ``False`` (from :func:`eager_plan`) trace the sync or the
+  inner step alone.
+
+  Args:
+    inner: the inner optimizer; may take extra args.
+    sync_every: ``H``, a positive int.
+    outer: the outer optimizer (default :func:`loc_opt.outer.nesterov_outer`),
+      one copy of its state per worker.
+    axis_name: the worker axis; ``None`` for one worker (``M = 1``).
+    anchor_dtype: the minimum precision of ``phi_m``, the outer state and the
+      stored pseudo-gradients.
+    codec: compress the pseudo-gradients (a ``loc_opt.compression`` codec or
+      compressor); its state persists across syncs.
+    codec_seed: seed of the key shared by all workers at each sync.
+    naive: use the stale average alone (the paper's naive delayed baseline).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import optax
+    >>> from loc_opt.outer import eager
+    >>> tx = eager.eager_diloco(optax.adamw(4e-4), sync_every=30)
+
+  References:
+    Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and
+    Computation in DiLoCo*, 2025.
+  """
+  _check_sync_every(sync_every)
+  if codec is not None and axis_name is None:
+    raise ValueError('eager_diloco with a codec needs an axis_name')
+  inner = optax.with_extra_args_support(inner)
+  outer = nesterov_outer() if outer is None else outer
+  compressor = None if codec is None else compression.as_compressor(codec)
+  comm = compression.Comm(axis_name) if axis_name is not None else None
+  varying = comm.varying if comm is not None else (lambda tree: tree)
+
+  def init_fn(params):
+    anchor = jax.tree.map(
+        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
+        params)
+    zero = jnp.zeros([], jnp.int32)
+    return EagerDilocoState(
+        inner_state=inner.init(params),
+        anchor=anchor,
+        outer_state=outer.init(anchor),
+        prev_sent=jax.tree.map(jnp.zeros_like, anchor),
+        prev_mean=jax.tree.map(jnp.zeros_like, anchor),
+        count=zero,
+        steps_since_sync=zero,
+        num_syncs=zero,
+        codec_state=() if compressor is None else compressor.init(anchor),
+    )
+
+  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+    if params is None:
+      raise ValueError('eager_diloco needs params: call update(updates, '
+                       'state, params)')
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+
+    def outer_step(_):
+      local = optax.apply_updates(params, inner_updates)
+      delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), state.anchor,
+                           local)
+      codec_state = state.codec_state
+      if compressor is not None:
+        key = jax.random.fold_in(jax.random.key(codec_seed), state.num_syncs)
+        mean, sent, codec_state = compressor.mean(delta, codec_state, comm,
+                                                  key)
+        mean = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
+        sent = jax.tree.map(lambda m, d: m.astype(d.dtype), sent, delta)
+      elif comm is not None:
+        mean, sent = comm.pmean(delta), delta
+      else:
+        mean, sent = delta, delta
+      workers = 1 if comm is None else comm.size()
+      if naive:
+        proxy = state.prev_mean
+      else:  # (stale mean - own stale share) + own fresh share
+        proxy = jax.tree.map(
+            lambda d, pm, ps: (pm - ps / workers) + d / workers, delta,
+            state.prev_mean, state.prev_sent)
+      outer_updates, outer_state = outer.update(proxy, state.outer_state,
+                                                state.anchor)
+      anchor = optax.apply_updates(state.anchor, outer_updates)
+      new_updates = jax.tree.map(
+          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
+      return varying((new_updates, anchor, outer_state, sent, mean,
+                      codec_state, jnp.ones([], jnp.int32)))
+
+    def inner_only(_):
+      return varying((inner_updates, state.anchor, state.outer_state,
+                      state.prev_sent, state.prev_mean, state.codec_state,
+                      jnp.zeros([], jnp.int32)))
+
+    if sync is None:
+      due = state.steps_since_sync + 1 >= sync_every
+      out = jax.lax.cond(due, outer_step, inner_only, None)
+    elif sync is True:
+      out = outer_step(None)
+    elif sync is False:
+      out = inner_only(None)
+    else:
+      raise ValueError(f'sync must be None, True or False, got {sync!r}')
+    (new_updates, anchor, outer_state, prev_sent, prev_mean, codec_state,
+     synced) = out
+    new_state = EagerDilocoState(
+        inner_state=inner_state,
+        anchor=anchor,
+        outer_state=outer_state,
+        prev_sent=prev_sent,
+        prev_mean=prev_mean,
+        count=optax.safe_increment(state.count),
+        steps_since_sync=jnp.where(
+            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
+        ).astype(jnp.int32),
+        num_syncs=state.num_syncs + synced,
+        codec_state=codec_state,
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def eager_plan(sync_every: int) -> plan_lib.Plan:
+  """The host-side plan of :func:`eager_diloco`: ``True`` on counts ``H - 1,
+  2H - 1, ...``, else ``False``."""
+  return plan_lib.Plan(plan_lib.every(_check_sync_every(sync_every)))
+
+
+def eager_eval_params(state: EagerDilocoState, params: optax.Params) -> Any:
+  """The weights to evaluate: this worker's outer parameters ``phi_m``, in
+  params dtypes (the workers' ``phi_m`` differ slightly by construction)."""
+  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+
+
+def eager_bytes(
+    params: Any, dtype: Any = jnp.float32,
+    codec: compression.Compressor | compression.Codec | None = None) -> int:
+  """Bytes one worker sends per sync: its pseudo-gradient at ``dtype`` or
+  the payload of ``codec`` (the same as DiLoCo; only the latency budget
+  grows to a whole round)."""
+  return pseudo_gradient_bytes(params, dtype, codec)

@@ -1,0 +1,557 @@
+"""Streaming DiLoCo: sync one fragment of the model at a time, overlapped.
+
+The parameters are split into ``P`` fragments (groups of transformer blocks).
+Each fragment is still synced once per ``H`` inner steps, as in DiLoCo, but
+the fragments take turns at evenly spread offsets, so at most ``1 / P`` of
+the model crosses workers on any step: the peak bandwidth drops ``P``-fold
+while the total stays that of DiLoCo. A fragment's outer update may land
+``tau`` inner steps after its pseudo-gradient was sent (the all-reduce then
+overlaps ``tau`` steps of compute); the worker blends its current local
+fragment with the new global one.
+
+In this synchronous SPMD program the all-reduce runs on the step that sends
+and its result waits in an in-flight buffer for ``tau`` steps: the numerics
+of overlap are reproduced, not its speed (real overlap needs asynchronous
+collectives or a multi-controller design).
+
+References:
+  Douillard, Donchev, Rush, Kale, Rusu, Charles, Garrett, Ranzato, Szlam,
+  et al., *Streaming DiLoCo with overlapping communication: Towards a
+  Distributed Free Lunch*, 2025. https://arxiv.org/abs/2501.18512
+"""
+
+from collections.abc import Callable, Hashable
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from loc_opt import compression
+# `loc_opt.outer.diloco` is shadowed by the function of that name.
+from loc_opt.outer.diloco import nesterov_outer
+from loc_opt.outer.diloco import pseudo_gradient_bytes
+from loc_opt.outer import plan as plan_lib
+
+FragmentFn = Callable[[Any, Any], int]
+Phase = Hashable
+
+PATTERNS = ('strided', 'sequential')
+
+
+class StreamingDilocoState(NamedTuple):
+  """State of :func:`streaming_diloco` (one worker's copy).
+
+  Attributes:
+    inner_state: the inner optimizer's state, never averaged or reset.
+    anchor: the outer parameters ``phi`` (same tree as the params; dtype
+      ``promote_types(param dtype, anchor_dtype)``, fp32 by default).
+    outer_state: tuple of ``P`` outer optimizer states, entry ``p`` over the
+      list of fragment ``p``'s anchor leaves (in tree-flatten order).
+    in_flight: tuple of ``P`` lists (fragment ``p``'s leaves, anchor dtypes):
+      the last averaged pseudo-gradient of each fragment, waiting ``tau``
+      steps to be applied; ``()`` when ``overlap == 0``.
+    count: int32 scalar, inner steps taken.
+    sends: int32 ``[P]``, syncs started (pseudo-gradients sent) per fragment.
+    applies: int32 ``[P]``, outer updates applied per fragment.
+    codec_state: tuple of ``P`` per-fragment compressor states (error
+      buffers, kept across syncs); ``()`` without a codec.
+  """
+
+  inner_state: optax.OptState
+  anchor: optax.Params
+  outer_state: tuple[optax.OptState, ...]
+  in_flight: tuple[list[jax.Array], ...] | tuple[()]
+  count: jax.Array
+  sends: jax.Array
+  applies: jax.Array
+  codec_state: Any = ()
+
+
+# ------------------------------------------------------------ fragments ---
+def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f'{name} must be a positive int, got {value!r}')
+  return value
+
+
+def fragment_ids(
+    params: Any,
+    num_fragments: int,
+    *,
+    pattern: str = 'strided',
+    separate_non_block: bool = True,
+    block_pattern: str = r'layer_(\d+)',
+) -> Any:
+  r"""Which fragment each parameter leaf belongs to, from its key path.
+
+  A leaf belongs to block ``l`` when its path (keys joined by ``'/'``, e.g.
+  ``'layer_3/attn/query/kernel'``) matches ``block_pattern``, whose first
+  group is the block index; the other leaves (embeddings, final norm, head)
+  are *non-block* leaves. Blocks are ranked by index (so numbering need not
+  start at 0) and, with ``L`` blocks and ``Q`` fragments to spread them over,
+
+  * ``'strided'``: block of rank ``r`` goes to fragment ``r mod Q`` (the
+    paper's preferred pattern: each fragment spans the whole depth);
+  * ``'sequential'``: rank ``r`` goes to ``floor(r Q / L)`` (consecutive
+    groups whose sizes differ by at most one).
+
+  With ``separate_non_block`` (default) the non-block leaves form fragment 0
+  and the blocks are spread over fragments ``1 .. P-1`` (``Q = P - 1``, the
+  MaxText layout); otherwise ``Q = P`` and non-block leaves join fragment 0.
+  ``P = 1`` puts everything in fragment 0.
+
+  Args:
+    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+    num_fragments: ``P``, a positive int.
+    pattern: ``'strided'`` or ``'sequential'``.
+    separate_non_block: whether non-block leaves get a fragment of their own.
+    block_pattern: regular expression whose first group is the block index.
+
+  Returns:
+    A tree of Python ints with the structure of ``params``.
+
+  Raises:
+    ValueError: if a fragment would be empty (too few blocks for
+      ``num_fragments``), or an argument is invalid.
+
+  Example:
+    >>> ids = fragment_ids(params, 3)  # non-block | even | odd layers
+  """
+  _positive_int('num_fragments', num_fragments)
+  if pattern not in PATTERNS:
+    raise ValueError(f'pattern must be one of {PATTERNS}, got {pattern!r}')
+  regex = re.compile(block_pattern)
+  if regex.groups < 1:
+    raise ValueError(
+        f'block_pattern needs a group for the block index: {block_pattern!r}')
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  blocks = []
+  for path, _ in with_path:
+    found = regex.search(jax.tree_util.keystr(path, simple=True,
+                                              separator='/'))
+    blocks.append(None if found is None else int(found.group(1)))
+  rank = {b: r for r, b in enumerate(sorted({b for b in blocks
+                                             if b is not None}))}
+  num_blocks = len(rank)
+  p = num_fragments
+  if p == 1:
+    return treedef.unflatten([0] * len(blocks))
+  first, q = (1, p - 1) if separate_non_block else (0, p)
+
+  def of_block(b):
+    r = rank[b]
+    if pattern == 'strided':
+      return first + r % q
+    return first + r * q // num_blocks
+
+  ids = [0 if b is None else of_block(b) for b in blocks]
+  missing = sorted(set(range(p)) - set(ids))
+  if missing:
+    raise ValueError(
+        f'num_fragments={p} leaves fragments {missing} empty: the params have '
+        f'{num_blocks} blocks matching {block_pattern!r} and '
+        f'{sum(b is None for b in blocks)} non-block leaves '
+        f'(separate_non_block={separate_non_block})')
+  return treedef.unflatten(ids)
+
+
+def _leaf_fragments(params: Any, fragments: Any, num_fragments: int | None
+                    ) -> tuple[int, ...]:
+  """The fragment of each leaf of ``params`` (tree-flatten order); checks
+  that they cover ``0 .. num_fragments - 1`` (default: ``max + 1``)."""
+  if fragments is None:
+    ids = jax.tree.leaves(fragment_ids(params, num_fragments))
+  elif callable(fragments):
+    with_path, _ = jax.tree_util.tree_flatten_with_path(params)
+    ids = [fragments(path, leaf) for path, leaf in with_path]
+  else:
+    treedef = jax.tree.structure(params)
+    try:
+      ids = treedef.flatten_up_to(fragments)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          'fragments must be a tree of ints with the structure of the '
+          f'params: {e}') from e
+  ids = tuple(int(i) for i in ids)
+  if num_fragments is None:
+    num_fragments = max(ids) + 1 if ids else 1
+  bad = sorted({i for i in ids if not 0 <= i < num_fragments})
+  if bad:
+    raise ValueError(f'fragments holds ids {bad} outside [0, num_fragments='
+                     f'{num_fragments})')
+  missing = sorted(set(range(num_fragments)) - set(ids))
+  if missing:
+    raise ValueError(f'fragments {missing} of num_fragments={num_fragments} '
+                     'hold no parameter')
+  return ids
+
+
+def _groups(ids: tuple[int, ...], num_fragments: int) -> list[list[int]]:
+  return [[i for i, f in enumerate(ids) if f == p]
+          for p in range(num_fragments)]
+
+
+def _num_fragments(num_fragments: int | None, fragments: Any) -> int:
+  if num_fragments is not None:
+    return _positive_int('num_fragments', num_fragments)
+  if fragments is None or callable(fragments):
+    raise ValueError('streaming_diloco needs num_fragments unless fragments '
+                     'is a tree of ints')
+  ids = [int(i) for i in jax.tree.leaves(fragments)]
+  if not ids:
+    raise ValueError('fragments is empty; pass num_fragments')
+  return max(ids) + 1
+
+
+# ------------------------------------------------------------- schedule ---
+def _check_schedule(sync_every: int, num_fragments: int, overlap: int
+                    ) -> None:
+  _positive_int('sync_every', sync_every)
+  _positive_int('num_fragments', num_fragments)
+  if sync_every % num_fragments:
+    raise ValueError(
+        f'sync_every={sync_every} must be a multiple of num_fragments='
+        f'{num_fragments} (fragments sync every sync_every / num_fragments '
+        'steps; it is not rounded)')
+  if isinstance(overlap, bool) or not isinstance(overlap, int):
+    raise ValueError(f'overlap must be an int, got {overlap!r}')
+  if not 0 <= overlap < sync_every // num_fragments:
+    raise ValueError(
+        f'overlap must satisfy 0 <= overlap < sync_every / num_fragments = '
+        f'{sync_every // num_fragments}, got {overlap}')
+
+
+def _phase(count: int, sync_every: int, num_fragments: int, overlap: int
+           ) -> Phase:
+  t = count + 1
+  stride = sync_every // num_fragments
+  send = (t % sync_every) // stride if t % stride == 0 else None
+  if overlap == 0:
+    apply = send
+  else:
+    u = t - overlap
+    apply = ((u % sync_every) // stride
+             if u >= stride and u % stride == 0 else None)
+  if send is None and apply is None:
+    return False
+  return (send, apply)
+
+
+def streaming_plan(sync_every: int, num_fragments: int, overlap: int = 0
+                   ) -> plan_lib.Plan:
+  """The host-side plan of :func:`streaming_diloco`.
+
+  With ``S = H / P`` and ``t = count + 1``, fragment ``p`` sends on steps
+  ``t = p S + k H`` (``t >= 1``) and applies ``tau`` steps later. The phase
+  is ``False`` for an inner step, else ``(send, apply)``: the fragment whose
+  pseudo-gradient is averaged on this step and the fragment whose outer
+  update lands on it (either may be ``None``; with ``tau = 0`` both are the
+  same fragment). Only phases that send count as syncs
+  (``Plan.is_sync``); an apply-only phase moves nothing across workers.
+
+  Args:
+    sync_every: ``H``, a multiple of ``num_fragments``.
+    num_fragments: ``P``.
+    overlap: ``tau``, with ``0 <= tau < H / P``.
+
+  Returns:
+    A :class:`loc_opt.outer.plan.Plan`.
+  """
+  _check_schedule(sync_every, num_fragments, overlap)
+  return plan_lib.Plan(
+      lambda count: _phase(count, sync_every, num_fragments, overlap),
+      sync_fn=lambda phase: phase is not False and phase[0] is not None)
+
+
+# ------------------------------------------------------------ transform ---
+def streaming_diloco(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    num_fragments: int | None = None,
+    fragments: Any | FragmentFn | None = None,
+    overlap: int = 0,
+    alpha: float | None = None,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+    codec: compression.Compressor | compression.Codec | None = None,
+    codec_seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Streaming DiLoCo: DiLoCo syncing one fragment at a time, overlapped.
+
+  The parameters are split into fragments ``p = 0 .. P-1``; with ``S = H /
+  P``, fragment ``p`` starts a sync on steps ``t = p S + k H`` (``t`` =
+  inner steps taken, this one included). There, after the inner update,
+
+  .. math::
+
+    \bar\Delta_p = \operatorname{mean}_{workers}(\phi_p - \theta'_p),
+
+  sent through ``codec`` if given (e.g. FP4 E3M0), accumulated in fp32.
+  ``tau`` steps later (the same step when ``tau = 0``) the outer optimizer
+  updates that fragment only, with its own slice of outer state, and the
+  worker blends its *current* local fragment (which has taken ``tau`` more
+  inner steps) with the new global one:
+
+  .. math::
+
+    \phi_p \leftarrow \phi_p + \mathrm{outer}_p(\bar\Delta_p), \quad
+    \theta_p \leftarrow \alpha\, \theta'_p + (1 - \alpha)\, \phi_p .
+
+  The returned update is ``target - params`` on the applied fragment and the
+  inner update elsewhere, so ``optax.apply_updates`` stays the only way the
+  parameters change. Each fragment crosses workers once per ``H`` steps, so
+  the total bytes equal DiLoCo's while the peak is ``1 / P`` of it. With
+  ``P = 1``, ``tau = 0`` this is :func:`loc_opt.diloco`.
+
+  The all-reduce of a fragment runs on its send step; with ``tau > 0`` its
+  result waits in ``state.in_flight`` (the numerics of overlap, not its
+  speed, in one synchronous program).
+
+  ``update(..., sync=None)`` picks the step's phase from ``state.count`` with
+  ``lax.switch``; a loop may instead pass the static phase
+  ``streaming_plan(H, P, tau)(count)`` (``False`` or ``(send, apply)``), so
+  each phase compiles to its own program and inner steps move no
+  cross-worker bytes.
+
+  Args:
+    inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
+      args.
+    sync_every: ``H``, inner steps between two syncs of the same fragment; a
+      multiple of the number of fragments.
+    num_fragments: ``P``. Required unless ``fragments`` is a tree of ints.
+    fragments: which fragment each leaf belongs to: a tree of ints with the
+      params' structure, or ``(key_path, leaf) -> int``; default
+      ``fragment_ids(params, num_fragments)`` (strided blocks, non-block
+      leaves apart).
+    overlap: ``tau``, inner steps between a fragment's send and its outer
+      update, ``0 <= tau < H / P``.
+    alpha: the weight of the local fragment in the blend; default 0.5 when
+      ``tau > 0`` (the paper's choice), else 0 (replace by the global value).
+    outer: the outer optimizer (default :func:`loc_opt.outer.nesterov_outer`, lr
+      0.7, Nesterov 0.9); it only ever sees one fragment's leaves.
+    axis_name: the worker axis to average over; ``None`` for one worker.
+    anchor_dtype: the minimum precision of the anchor, the outer state and
+      the in-flight buffers.
+    codec: compress the pseudo-gradients: a ``loc_opt.compression`` codec
+      or compressor, e.g. ``compression.fp4_codec('e3m0',
+      block_size=None)`` (one absmax scale per fragment payload). Each
+      fragment keeps its own compressor state across syncs.
+    codec_seed: seed of the key shared by all workers on each send (folded
+      with the step count), for codecs that draw random numbers.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: if ``sync_every`` is not a multiple of ``num_fragments``,
+      ``overlap`` is out of range, or a fragment is empty.
+
+  Example:
+    >>> import optax
+    >>> from loc_opt.outer import streaming
+    >>> tx = streaming.streaming_diloco(
+    ...     optax.adamw(4e-4), sync_every=100, num_fragments=4, overlap=1)
+
+  References:
+    Douillard et al., *Streaming DiLoCo with overlapping communication:
+    Towards a Distributed Free Lunch*, 2025.
+  """
+  p_count = _num_fragments(num_fragments, fragments)
+  _check_schedule(sync_every, p_count, overlap)
+  if alpha is None:
+    alpha = 0.5 if overlap > 0 else 0.0
+  alpha = float(alpha)
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f'alpha must be in [0, 1], got {alpha}')
+  if codec is not None and axis_name is None:
+    raise ValueError('streaming_diloco with a codec needs an axis_name')
+  inner = optax.with_extra_args_support(inner)
+  outer = nesterov_outer() if outer is None else outer
+  compressor = None if codec is None else compression.as_compressor(codec)
+  comm = compression.Comm(axis_name) if axis_name is not None else None
+  stride = sync_every // p_count
+  varying = comm.varying if comm is not None else (lambda tree: tree)
+
+  def split(params):
+    return _groups(_leaf_fragments(params, fragments, p_count), p_count)
+
+  def init_fn(params):
+    groups = split(params)
+    anchor = jax.tree.map(
+        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
+        params)
+    a_leaves = jax.tree.leaves(anchor)
+    parts = [[a_leaves[i] for i in g] for g in groups]
+    zeros = jnp.zeros([p_count], jnp.int32)
+    return StreamingDilocoState(
+        inner_state=inner.init(params),
+        anchor=anchor,
+        outer_state=tuple(outer.init(part) for part in parts),
+        in_flight=(tuple([jnp.zeros_like(x) for x in part] for part in parts)
+                   if overlap else ()),
+        count=jnp.zeros([], jnp.int32),
+        sends=zeros,
+        applies=zeros,
+        codec_state=(() if compressor is None else
+                     tuple(compressor.init(part) for part in parts)),
+    )
+
+  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+    if params is None:
+      raise ValueError('streaming_diloco needs params: call update(updates, '
+                       'state, params)')
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    groups = split(params)
+    p_leaves, treedef = jax.tree.flatten(params)
+    u_leaves = treedef.flatten_up_to(inner_updates)
+    a_leaves = jax.tree.leaves(state.anchor)
+
+    def local(i):  # theta' = theta + u, in params dtype, as apply_updates
+      return optax.apply_updates(p_leaves[i], u_leaves[i])
+
+    def mean_delta(p, codec_states):
+      idx = groups[p]
+      delta = [a_leaves[i] - local(i).astype(a_leaves[i].dtype) for i in idx]
+      if compressor is not None:
+        key = jax.random.fold_in(jax.random.key(codec_seed), state.count)
+        mean, _, cs = compressor.mean(delta, codec_states[p], comm, key)
+        codec_states = (codec_states[:p] + (varying(cs),)
+                        + codec_states[p + 1:])
+        delta = [m.astype(d.dtype) for m, d in zip(mean, delta)]
+      elif comm is not None:
+        delta = comm.pmean(delta)
+      return delta, codec_states
+
+    def run_phase(send, apply):
+      """The new (updates, anchor, outer, in_flight, codec, sends, applies)
+      leaves of the phase ``(send, apply)``."""
+      out_u = list(u_leaves)
+      anchor = list(a_leaves)
+      outer_state = state.outer_state
+      in_flight = state.in_flight
+      codec_states = state.codec_state
+      sends, applies = state.sends, state.applies
+      mean = None
+      if send is not None:
+        mean, codec_states = mean_delta(send, codec_states)
+        sends = sends + jax.nn.one_hot(send, p_count, dtype=jnp.int32)
+        if overlap:
+          in_flight = (in_flight[:send] + (mean,) + in_flight[send + 1:])
+      if apply is not None:
+        if overlap:
+          mean = state.in_flight[apply]
+        idx = groups[apply]
+        part = [a_leaves[i] for i in idx]
+        outer_updates, new_outer = outer.update(
+            mean, outer_state[apply], part)
+        part = optax.apply_updates(part, outer_updates)
+        outer_state = (outer_state[:apply] + (new_outer,)
+                       + outer_state[apply + 1:])
+        for i, a in zip(idx, part):
+          anchor[i] = a
+          p = p_leaves[i]
+          target = a
+          if alpha:
+            target = alpha * local(i).astype(a.dtype) + (1 - alpha) * a
+          out_u[i] = (target - p.astype(a.dtype)).astype(p.dtype)
+        applies = applies + jax.nn.one_hot(apply, p_count, dtype=jnp.int32)
+      return varying((out_u, anchor, outer_state, in_flight, codec_states,
+                      sends, applies))
+
+    if sync is None:
+      phases = [False] + [(p, p) if not overlap else (p, None)
+                          for p in range(p_count)]
+      if overlap:
+        phases += [(None, p) for p in range(p_count)]
+      t = state.count + 1
+      send_due = t % stride == 0
+      index = jnp.where(send_due, 1 + (t % sync_every) // stride, 0)
+      if overlap:
+        u = t - overlap
+        apply_due = (u >= stride) & (u % stride == 0)
+        index = jnp.where(
+            apply_due, 1 + p_count + (u % sync_every) // stride, index)
+      branches = [
+          (lambda _, ph=ph: run_phase(None, None) if ph is False
+           else run_phase(*ph)) for ph in phases]
+      out = jax.lax.switch(index, branches, None)
+    else:
+      out = run_phase(*_check_phase(sync, p_count, overlap))
+    out_u, anchor, outer_state, in_flight, codec_states, sends, applies = out
+    new_state = StreamingDilocoState(
+        inner_state=inner_state,
+        anchor=treedef.unflatten(anchor),
+        outer_state=outer_state,
+        in_flight=in_flight,
+        count=optax.safe_increment(state.count),
+        sends=sends,
+        applies=applies,
+        codec_state=codec_states,
+    )
+    return treedef.unflatten(out_u), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_phase(sync: Phase, num_fragments: int, overlap: int
+                 ) -> tuple[int | None, int | None]:
+  """``(send, apply)`` of a static phase; ``False`` is ``(None, None)``."""
+  if sync is False:
+    return None, None
+  ok = isinstance(sync, tuple) and len(sync) == 2 and all(
+      f is None or (isinstance(f, int) and not isinstance(f, bool)
+                    and 0 <= f < num_fragments) for f in sync)
+  if ok:
+    send, apply = sync
+    if overlap:
+      ok = (send is None) != (apply is None)
+    else:
+      ok = send is not None and send == apply
+  if not ok:
+    raise ValueError(
+        f'sync must be None, False or a phase (send, apply) of '
+        f'streaming_plan(..., num_fragments={num_fragments}, '
+        f'overlap={overlap}), got {sync!r}')
+  return sync
+
+
+def streaming_eval_params(state: StreamingDilocoState, params: optax.Params
+                          ) -> Any:
+  """The weights to evaluate: the anchor ``phi`` in params dtypes.
+
+  Each fragment of the anchor holds the outer parameters of its last applied
+  sync (Streaming DiLoCo, Table 3, evaluates the outer parameters).
+  """
+  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+
+
+def fragment_bytes(
+    params: Any,
+    fragments: Any | FragmentFn,
+    dtype: Any = jnp.float32,
+    codec: compression.Compressor | compression.Codec | None = None,
+) -> list[int]:
+  """Bytes one worker sends when each fragment syncs.
+
+  Args:
+    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+    fragments: a tree of ints with the params' structure (e.g. from
+      :func:`fragment_ids`) or ``(key_path, leaf) -> int``.
+    dtype: the wire dtype without a codec (fp32, the anchor dtype, by
+      default).
+    codec: the codec or compressor of :func:`streaming_diloco`, if any.
+
+  Returns:
+    ``[bytes of fragment 0, ..., bytes of fragment P-1]``; their sum is the
+    bytes DiLoCo sends per sync at the same wire format.
+  """
+  leaves = jax.tree.leaves(params)
+  ids = _leaf_fragments(params, fragments, None)
+  groups = _groups(ids, max(ids) + 1)
+  return [pseudo_gradient_bytes([leaves[i] for i in g], dtype, codec)
+          for g in groups]

@@ -1,0 +1,399 @@
+"""Tests of Streaming DiLoCo: schedule, fragments, overlap blend, bytes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loc_opt
+from loc_opt import compression
+from loc_opt import parallel
+from loc_opt.outer import streaming
+from tests import optax_conformance as conf
+from tests.outer import test_diloco as td
+
+M = 4
+
+
+def make_streaming(learning_rate):
+  return streaming.streaming_diloco(
+      optax.adam(learning_rate), sync_every=4, fragments={'w': 1, 'b': 0},
+      overlap=1, axis_name=None)
+
+
+def test_conformance(tmp_path):
+  conf.check_all(make_streaming, tmp_path)
+
+
+def run_phased(tx, plan, steps, m=M):
+  """As td.run_workers, with the static phase of the plan on every step."""
+
+  def step(params, state, batch, sync):
+    grads = jax.grad(td.quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  programs = {}
+  params = td.stack(conf.example_params(), m)
+  state = jax.vmap(tx.init)(params)
+  for i in range(steps):
+    phase = plan(i)
+    if phase not in programs:
+      programs[phase] = jax.jit(parallel.vmap_workers(
+          functools.partial(step, sync=phase)))
+    params, state = programs[phase](params, state, td.worker_batches(i, m))
+  return params, state, programs
+
+
+def test_one_fragment_no_overlap_is_diloco():
+  kw = dict(sync_every=3, outer=loc_opt.outer.nesterov_outer(0.7, 0.9))
+  got, state = td.run_workers(streaming.streaming_diloco(
+      optax.adam(1e-2), num_fragments=1, **kw), 10)
+  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
+                                    10)
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+  conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
+                          atol=1e-7)
+  conf.assert_trees_close(state.outer_state[0][0].trace,
+                          jax.tree.leaves(want_state.outer_state[0].trace),
+                          rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(state.sends[:, 0], 3)
+  assert int(want_state.num_syncs[0]) == 3
+
+
+@pytest.mark.parametrize('h,p,tau', [(4, 2, 1), (6, 2, 0)])
+def test_plan_matches_switch_program(h, p, tau):
+  tx = streaming.streaming_diloco(
+      optax.adam(1e-2), sync_every=h, fragments={'w': p - 1, 'b': 0},
+      overlap=tau)
+  plan = streaming.streaming_plan(h, p, tau)
+  steps = 2 * h + tau + 1
+  got, state, programs = run_phased(tx, plan, steps)
+  want, want_state = td.run_workers(tx, steps)
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+  conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
+  # Inner, one send per fragment (and one apply per fragment with overlap).
+  assert len(programs) == 1 + p * (2 if tau else 1)
+
+
+@pytest.mark.parametrize('h,p,tau', [(12, 4, 0), (12, 3, 3), (8, 4, 1)])
+def test_plan_syncs_each_fragment_once_per_period(h, p, tau):
+  plan = streaming.streaming_plan(h, p, tau)
+  phases = [plan(c) for c in range(5 * h)]
+  stride = h // p
+  for start in range(0, 4 * h):
+    window = phases[start:start + h]
+    sends = [ph[0] for ph in window if ph and ph[0] is not None]
+    applies = [ph[1] for ph in window if ph and ph[1] is not None]
+    assert sorted(sends) == list(range(p)), (start, window)
+    if start >= tau:
+      assert sorted(applies) == list(range(p)), (start, window)
+  for c, ph in enumerate(phases[:4 * h]):
+    if ph and ph[0] is not None:  # sends at t = p S + k H, t = c + 1
+      assert (c + 1) % stride == 0 and (c + 1) % h == ph[0] * stride
+      assert phases[c + tau][1] == ph[0]  # lands tau steps later
+  # A full period after the start holds P sends (the syncs) and P applies
+  # (apply-only phases are not syncs).
+  assert plan.num_syncs(h, 2 * h) == p
+  assert sum(1 for ph in phases[h:2 * h] if ph) == p * (2 if tau else 1)
+
+
+def lm_params(num_layers, shape=(4, 2)):
+  """Parameters named like the reference LM's (embed, blocks, norm, head)."""
+  params = {'embed': {'embedding': jnp.zeros(shape)},
+            'final_norm': {'scale': jnp.zeros(shape[-1:])},
+            'head': {'kernel': jnp.zeros(shape[::-1])}}
+  for layer in range(num_layers):
+    params[f'layer_{layer}'] = {
+        'attn': {'query': {'kernel': jnp.zeros(shape)}},
+        'mlp': {'wi': {'kernel': jnp.zeros(shape)}}}
+  return params
+
+
+def block_fragments(ids, num_layers):
+  """{layer: fragment} from a fragment_ids tree (asserting both leaves of a
+  block agree), and the fragments of the three non-block leaves."""
+  out = {}
+  for layer in range(num_layers):
+    block = ids[f'layer_{layer}']
+    assert block['attn']['query']['kernel'] == block['mlp']['wi']['kernel']
+    out[layer] = block['attn']['query']['kernel']
+  rest = {ids['embed']['embedding'], ids['final_norm']['scale'],
+          ids['head']['kernel']}
+  return out, rest
+
+
+@pytest.mark.parametrize('layers,p,pattern,want', [
+    (2, 3, 'strided', {0: 1, 1: 2}),
+    (3, 3, 'strided', {0: 1, 1: 2, 2: 1}),
+    (3, 3, 'sequential', {0: 1, 1: 1, 2: 2}),
+    (5, 3, 'strided', {0: 1, 1: 2, 2: 1, 3: 2, 4: 1}),
+    (5, 3, 'sequential', {0: 1, 1: 1, 2: 1, 3: 2, 4: 2}),
+    (5, 4, 'sequential', {0: 1, 1: 1, 2: 2, 3: 2, 4: 3}),
+    (5, 6, 'strided', {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}),
+    (2, 2, 'sequential', {0: 1, 1: 1}),
+])
+def test_fragment_ids_on_lm_names(layers, p, pattern, want):
+  ids = streaming.fragment_ids(lm_params(layers), p, pattern=pattern)
+  blocks, rest = block_fragments(ids, layers)
+  assert blocks == want
+  assert rest == {0}
+
+
+def test_fragment_ids_without_a_separate_non_block_fragment():
+  ids = streaming.fragment_ids(lm_params(5), 2, separate_non_block=False)
+  blocks, rest = block_fragments(ids, 5)
+  assert blocks == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0} and rest == {0}
+  ids = streaming.fragment_ids(lm_params(5), 2, separate_non_block=False,
+                               pattern='sequential')
+  assert block_fragments(ids, 5)[0] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}
+  one = streaming.fragment_ids(lm_params(3), 1)
+  assert set(jax.tree.leaves(one)) == {0}
+
+
+def test_fragment_ids_ranks_sparse_block_numbers():
+  params = {'layer_10': {'w': jnp.zeros(2)}, 'layer_7': {'w': jnp.zeros(2)},
+            'head': jnp.zeros(2)}
+  ids = streaming.fragment_ids(params, 3)
+  assert ids == {'layer_7': {'w': 1}, 'layer_10': {'w': 2}, 'head': 0}
+
+
+@pytest.mark.parametrize('layers,p', [(2, 4), (0, 2), (5, 7)])
+def test_fragment_ids_raise_on_empty_fragment(layers, p):
+  with pytest.raises(ValueError, match='num_fragments'):
+    streaming.fragment_ids(lm_params(layers), p)
+
+
+def test_fragments_as_callable_and_tree_agree():
+  params = lm_params(3)
+
+  def by_path(path, leaf):
+    del leaf
+    name = jax.tree_util.keystr(path, simple=True, separator='/')
+    return 1 if name.startswith('layer_') else 0
+
+  tree = jax.tree_util.tree_map_with_path(by_path, params)
+  sizes = streaming.fragment_bytes(params, by_path)
+  assert sizes == streaming.fragment_bytes(params, tree)
+  assert sizes == [4 * (8 + 2 + 8), 4 * 3 * 16]
+  # fragment_bytes: fp4 payload + one fp32 scale per fragment.
+  fp4 = compression.fp4_codec('e3m0', block_size=None)
+  assert streaming.fragment_bytes(params, tree, codec=fp4) == [9 + 4, 24 + 4]
+  assert streaming.fragment_bytes(params, tree, jnp.bfloat16) == [36, 96]
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(sync_every=10, num_fragments=3), 'multiple of num_fragments'),
+    (dict(sync_every=12, num_fragments=3, overlap=4), 'overlap'),
+    (dict(sync_every=12, num_fragments=3, overlap=-1), 'overlap'),
+    (dict(sync_every=12, num_fragments=0), 'num_fragments'),
+    (dict(sync_every=0, num_fragments=1), 'sync_every'),
+    (dict(sync_every=12, fragments=lambda p, x: 0), 'num_fragments'),
+    (dict(sync_every=12, num_fragments=2, alpha=1.5), 'alpha'),
+])
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    streaming.streaming_diloco(optax.sgd(0.1), **kwargs)
+  if 'alpha' not in kwargs and 'fragments' not in kwargs:
+    with pytest.raises(ValueError, match=match):
+      streaming.streaming_plan(kwargs['sync_every'],
+                               kwargs.get('num_fragments', 1),
+                               kwargs.get('overlap', 0))
+
+
+def test_bad_fragments_and_phases_raise():
+  params = conf.example_params()
+  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=6,
+                                  num_fragments=3,
+                                  fragments={'w': 0, 'b': 1})
+  with pytest.raises(ValueError, match='fragments'):
+    tx.init(params)
+  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                                  fragments={'w': 0, 'b': 1}, overlap=1,
+                                  axis_name=None)
+  state = tx.init(params)
+  for bad in [True, (0, 0), (None, None), (2, None), 1]:
+    with pytest.raises(ValueError, match='sync'):
+      tx.update(params, state, params, sync=bad)
+
+
+def test_overlap_blend_uses_current_local_params():
+  # Two workers, inner SGD lr 1 on constant gradients g_m, outer SGD lr 0.5,
+  # H = 4, P = 2, tau = 1, alpha = 0.5. Fragment 1 ('layer_0') sends at t = 2
+  # (delta = 2 g_m) and lands at t = 3: phi_1 = th0 - 0.5 * 2 * gbar and
+  # theta_1 = 0.5 (th0 - 3 g_m) + 0.5 phi_1 = th0 - 1.5 g_m - 0.5 gbar.
+  # Fragment 0 ('head') sends at t = 4 (delta 4 g_m), lands at t = 5:
+  # phi_0 = th0 - 2 gbar, theta_0 = 0.5 (th0 - 5 g_m) + 0.5 phi_0.
+  tx = streaming.streaming_diloco(
+      optax.sgd(1.0), sync_every=4, num_fragments=2, overlap=1, alpha=0.5,
+      outer=optax.sgd(0.5))
+  th0 = {'head': jnp.array([1.0, -2.0]), 'layer_0': jnp.array([0.5, 3.0])}
+  g = {'head': jnp.array([[1.0, 2.0], [3.0, -1.0]]),
+       'layer_0': jnp.array([[-2.0, 0.5], [1.0, 1.5]])}
+  gbar = jax.tree.map(lambda x: x.mean(0), g)
+
+  @jax.jit
+  @parallel.vmap_workers
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = td.stack(th0, 2)
+  state = jax.vmap(tx.init)(params)
+  seen = []
+  for _ in range(5):
+    params, state = step(params, state, g)
+    seen.append((params, state))
+  p3, s3 = seen[2]
+  h0, l0, gh, gl = th0['head'], th0['layer_0'], g['head'], g['layer_0']
+  np.testing.assert_allclose(p3['layer_0'],
+                             l0 - 1.5 * gl - 0.5 * gbar['layer_0'], rtol=1e-6)
+  np.testing.assert_allclose(s3.anchor['layer_0'][0],
+                             l0 - gbar['layer_0'], rtol=1e-6)
+  np.testing.assert_allclose(p3['head'], h0 - 3 * gh, rtol=1e-6)
+  np.testing.assert_allclose(s3.anchor['head'][0], h0)
+  p5, s5 = seen[4]
+  phi0 = h0 - 2 * gbar['head']
+  np.testing.assert_allclose(p5['head'], 0.5 * (h0 - 5 * gh) + 0.5 * phi0,
+                             rtol=1e-6)
+  np.testing.assert_allclose(
+      p5['layer_0'], l0 - 3.5 * gl - 0.5 * gbar['layer_0'], rtol=1e-6)
+  np.testing.assert_allclose(
+      streaming.streaming_eval_params(s5, p5)['head'][1], phi0, rtol=1e-6)
+  np.testing.assert_array_equal(s5.sends[0], [1, 1])
+  np.testing.assert_array_equal(s5.applies[0], [1, 1])
+
+
+def test_only_the_applied_fragment_moves_its_outer_state():
+  h, p, tau = 6, 3, 1
+  tx = streaming.streaming_diloco(
+      optax.adam(1e-2), sync_every=h, num_fragments=p, overlap=tau,
+      fragments=lambda path, x: {'w': 1, 'b': 2}[path[0].key] if x.ndim
+      else 0)
+  params = td.stack({'w': jnp.ones((4, 3)), 'b': jnp.ones(3),
+                     'c': jnp.ones(())})
+  state = jax.vmap(tx.init)(params)
+  plan = streaming.streaming_plan(h, p, tau)
+
+  @jax.jit
+  @parallel.vmap_workers
+  def step(params, state, batch):
+    x, _ = batch
+    grads = jax.grad(lambda q: jnp.sum(jnp.tanh(x @ q['w']) * q['b'])
+                     + q['c'] * x.sum())(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(2 * h + 1):
+    new_params, new_state = step(params, state, td.worker_batches(i))
+    phase = plan(i)
+    applied = phase[1] if phase else None
+    for q in range(p):
+      before = jax.tree.leaves(state.outer_state[q])
+      after = jax.tree.leaves(new_state.outer_state[q])
+      same = all(np.array_equal(a, b) for a, b in zip(before, after))
+      assert same == (q != applied), (i, q, phase)
+    leaves_before = jax.tree.leaves(state.anchor)  # order: b, c, w
+    leaves_after = jax.tree.leaves(new_state.anchor)
+    for q, (a, b) in zip([2, 0, 1], zip(leaves_before, leaves_after)):
+      assert np.array_equal(a, b) == (q != applied), (i, q, phase)
+    params, state = new_params, new_state
+  np.testing.assert_array_equal(state.sends[0], [2, 2, 2])
+  np.testing.assert_array_equal(state.applies[0], [2, 2, 2])
+
+
+def test_fp4_codec_sends_through_each_fragment():
+  codec = compression.error_feedback(compression.as_compressor(
+      compression.fp4_codec('e3m0', block_size=None)))
+  tx = streaming.streaming_diloco(
+      optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0},
+      codec=codec)
+  exact = streaming.streaming_diloco(
+      optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0})
+  params, state = td.run_workers(tx, 2)  # fragment 1 ('w') synced once
+  want, _ = td.run_workers(exact, 2)
+  # Workers agree after the sync; fp4 lands near the exact mean.
+  np.testing.assert_array_equal(params['w'][0], params['w'][3])
+  np.testing.assert_allclose(params['w'], want['w'], atol=0.05)
+  # The error buffer of 'w' holds the rounding error; 'b' was not sent.
+  assert np.abs(state.codec_state[1].error[0]).max() > 0
+  np.testing.assert_array_equal(state.codec_state[0].error[0], 0)
+
+
+# ------------------------------------------------------------------ HLO ---
+HLO_SHAPE = (32, 16)
+
+
+def hlo_params():
+  """Three equal fragments of 1,024 parameters (P = 3, strided)."""
+  params = {'embed': {'embedding': jnp.zeros(HLO_SHAPE)},
+            'head': {'kernel': jnp.zeros(HLO_SHAPE[::-1])}}
+  for layer in range(4):
+    params[f'layer_{layer}'] = {'w': jnp.zeros(HLO_SHAPE)}
+  return params
+
+
+def per_worker_bytes(tx, sync, mesh):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  params = td.stack(hlo_params())
+  state = jax.eval_shape(jax.vmap(tx.init), params)
+  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
+      params, state, params).compile()
+  return parallel.collective_bytes(compiled, mesh)
+
+
+def test_hlo_bytes_per_phase():
+  mesh = parallel.make_worker_mesh(M, data=2)
+  p, h = 3, 6
+  ids = streaming.fragment_ids(hlo_params(), p)
+  theory = streaming.fragment_bytes(hlo_params(), ids)
+  assert theory == [4096] * 3
+  dense = loc_opt.diloco(optax.sgd(0.1), sync_every=h,
+                         reduce_fn=parallel.worker_mean())
+  total = per_worker_bytes(dense, True, mesh).cross_worker_bytes_per_worker
+  np.testing.assert_allclose(total, sum(theory), rtol=0.1)
+  fp4 = compression.fp4_codec('e3m0', block_size=None)
+  for codec in (None, fp4):
+    tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=h,
+                                    num_fragments=p, overlap=1, codec=codec)
+    plan = streaming.streaming_plan(h, p, 1)
+    want = streaming.fragment_bytes(hlo_params(), ids, codec=codec)
+    got = {}
+    # The send phases, and (once) the inner and an apply phase.
+    phases = [ph for ph in plan.phases(2 * h) if ph and ph[0] is not None]
+    if codec is None:
+      phases += [False, (None, 0)]
+    for phase in phases:
+      report = per_worker_bytes(tx, phase, mesh)
+      got[phase] = report.cross_worker_bytes_per_worker
+      assert report.cross_worker_bytes_range[0] == \
+          report.cross_worker_bytes_range[1]  # no conditional collectives
+    if codec is None:
+      assert got[False] == got[(None, 0)] == 0
+    for q in range(p):
+      np.testing.assert_allclose(got[(q, None)], want[q], rtol=0.1)
+    peak = max(got.values())
+    if codec is None:
+      np.testing.assert_allclose(peak / total, 1 / p, rtol=0.1)
+    else:
+      np.testing.assert_allclose(peak / total, 1 / (8 * p), rtol=0.1)
+
+
+def test_switch_program_sends_only_inside_branches():
+  mesh = parallel.make_worker_mesh(M, data=2)
+  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=6,
+                                  num_fragments=3)
+  report = per_worker_bytes(tx, None, mesh)
+  assert report.cross_worker_bytes == 0
+  (branches,) = report.branches.values()
+  # Inner branch moves nothing; each fragment's branch its 4 KiB per worker.
+  assert sorted(branches)[0] == 0
+  np.testing.assert_allclose(np.array(sorted(branches)[1:]) / M, 4096,
+                             rtol=0.1)
+  assert len(branches) == 4
