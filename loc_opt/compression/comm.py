@@ -173,3 +173,31 @@ class Comm:
       return out[:, :m].reshape(x.shape)
 
     return jax.tree.map(leaf, tree)
+
+  def ppermute(self, tree: Any,
+               perm: Sequence[tuple[int, int]]) -> Any:
+    """Point-to-point exchange: worker ``src`` sends each leaf to ``dst``.
+
+    ``perm`` holds static ``(source, destination)`` pairs of worker indices
+    (each index at most once as a source and once as a destination); a
+    worker that no pair sends to receives zeros, as ``lax.ppermute``. Each
+    device sends only its own slice of the (spread) leaf, so each element
+    crosses workers once per sending worker; the received slices are
+    gathered back inside the worker.
+    """
+    axes = self.inner_axes()
+    perm = tuple((int(s), int(d)) for s, d in perm)
+
+    def exchange(v):
+      return jax.lax.ppermute(v, self.axis_name, perm)
+
+    def leaf(x):
+      if not axes or x.size < 2:
+        return exchange(x)
+      mesh = jax.sharding.get_abstract_mesh()
+      flat = self.spread(x.reshape(-1))
+      out = jax.shard_map(exchange, mesh=mesh, in_specs=jax.P(axes),
+                          out_specs=jax.P(axes), axis_names=set(axes))(flat)
+      return out[:x.size].reshape(x.shape)
+
+    return jax.tree.map(leaf, tree)
