@@ -102,6 +102,57 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.compress_min_size = 0  # Smaller leaves are sent uncompressed.
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
 
+  # Per-method settings of the DiLoCo family (loc_opt.outer); each method
+  # also reads sync_every (H), learning_rate and momentum above where it has
+  # an outer optimizer, and outer.codec where it sends pseudo-gradients.
+  # Streaming DiLoCo ('streaming_diloco'): fragments synced in turn.
+  c.outer.streaming = ml_collections.ConfigDict()
+  c.outer.streaming.num_fragments = 3  # P (embeddings/head + block groups).
+  c.outer.streaming.pattern = 'strided'  # Blocks to fragments: or sequential.
+  c.outer.streaming.overlap = 1  # tau: inner steps a fragment's sync overlaps.
+  c.outer.streaming.alpha = 0.5  # Keep this much of the local fragment.
+  # Eager updates ('eager_diloco'): the average lands one round late.
+  c.outer.eager = ml_collections.ConfigDict()
+  c.outer.eager.naive = False  # True: the delayed average alone (ablation).
+  # NoLoCo ('noloco'): random peer groups, no all-reduce.
+  c.outer.noloco = ml_collections.ConfigDict()
+  c.outer.noloco.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).
+  c.outer.noloco.consensus = -1.0  # gamma; < 0: equal to learning_rate.
+  c.outer.noloco.group_size = 2  # Workers per group.
+  c.outer.noloco.seed = 0  # Seed of the pairings (shared by all workers).
+  # DeMo ('demo'): every step, top-k DCT components of momentum, sign step.
+  # Replaces the inner optimizer; its learning rate is the inner schedule.
+  c.outer.demo = ml_collections.ConfigDict()
+  c.outer.demo.beta = 0.999  # Momentum decay.
+  c.outer.demo.topk = 32  # Coefficients kept per chunk x chunk block.
+  c.outer.demo.chunk = 64  # DCT block edge.
+  c.outer.demo.lr_scale = 1.0  # Multiplies the inner learning rate.
+  c.outer.demo.weight_decay = 0.0  # Decoupled weight decay.
+  # SparseLoCo ('sparseloco'): error feedback, tile top-k, 2-bit values.
+  c.outer.sparseloco = ml_collections.ConfigDict()
+  c.outer.sparseloco.ef_decay = 0.95  # Error-feedback decay.
+  c.outer.sparseloco.topk = 128  # Kept per 64 x 64 tile (scaled for others).
+  c.outer.sparseloco.tile = 64  # Tile edge.
+  c.outer.sparseloco.value_codec = 'two_bit'  # Or 'none' (fp32 values).
+  c.outer.sparseloco.learning_rate = 1.0  # Outer SGD learning rate.
+  # 'mean_of_selected' (reference) or 'mean_over_workers'.
+  c.outer.sparseloco.aggregate = 'mean_of_selected'
+  # DES-LOC ('desloc') and MT-DAO ('mt_dao'): a period per optimizer state;
+  # 0 = a multiple of sync_every (DES-LOC: 3x for mu, 6x for nu; MT-DAO: 1x).
+  # MT-DAO needs optimizer.name = 'multi_timescale_adam'.
+  c.outer.desloc = ml_collections.ConfigDict()
+  c.outer.desloc.mu_sync_every = 0  # First moment (DES-LOC).
+  c.outer.desloc.nu_sync_every = 0  # Second moment.
+  c.outer.desloc.slow_sync_every = 0  # Slow momenta (MT-DAO).
+  c.outer.desloc.nesterov = False  # Outer Nesterov on params, not averaging.
+  # Asynchronous local SGD ('async_local_sgd'), simulated: worker speeds are
+  # wallclock.worker_speeds; server: Delayed Nesterov (learning_rate,
+  # momentum above).
+  c.outer.async_sgd = ml_collections.ConfigDict()
+  c.outer.async_sgd.dylu = True  # Slower workers take fewer inner steps.
+  c.outer.async_sgd.buffer_size = 0  # DN's N (0 = number of workers).
+  c.outer.async_sgd.activation = 0.0  # DN's c, in [0, 1/N].
+
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the
   # summary reports simulated seconds and compute utilization per bandwidth.

@@ -13,6 +13,16 @@ from loc_opt.outer import diloco
 from loc_opt.outer import diloco_eval_params
 from loc_opt.outer import DilocoState
 from loc_opt.outer import local_sgd
+from loc_opt.outer import async_local_sgd
+from loc_opt.outer import delayed_nesterov
+from loc_opt.outer import demo
+from loc_opt.outer import desloc
+from loc_opt.outer import eager_diloco
+from loc_opt.outer import local_adam
+from loc_opt.outer import mt_dao
+from loc_opt.outer import noloco
+from loc_opt.outer import sparseloco
+from loc_opt.outer import streaming_diloco
 
 
 # loc_opt.models, loc_opt.data and loc_opt.train pull in Flax, TFDS and Orbax;

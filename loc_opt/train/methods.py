@@ -39,9 +39,10 @@ class Method:
   Attributes:
     per_worker: whether parameters and optimizer state carry a leading worker
       axis (local-update methods) or are one replicated copy (data parallel).
-    build: ``(outer_config, inner_tx, axis_name, sync_every) ->
-      GradientTransformation``; ``sync_every`` is the resolved sync-period
-      schedule (None for methods without a sync step).
+    build: ``(config, inner_tx, axis_name, sync_every) ->
+      GradientTransformation`` from the whole experiment config;
+      ``sync_every`` is the resolved sync-period schedule of methods with
+      ``has_sync`` (None for the others).
     eval_params: ``(opt_state, params) -> params`` to evaluate; None means
       the inner optimizer's evaluation weights (:func:`eval_params_fn`).
     has_sync: whether the method has a sync step, compiled as a second
@@ -235,23 +236,30 @@ def make_compressor(cfg: ml_collections.ConfigDict) -> compression.Compressor:
       eligible=compression.min_size(min_size) if min_size else None)
 
 
-def _build_diloco(cfg, inner, axis_name, sync_every):
-  outer = outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
+def _outer_optimizer(cfg) -> optax.GradientTransformation:
+  """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer."""
   if not cfg.get('nesterov', True):
-    outer = optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
+    return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
+  return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
+
+
+def _build_diloco(config, inner, axis_name, sync_every):
+  cfg = config.outer
   return outer_lib.diloco(inner, sync_every=sync_every,
-                          outer=outer, axis_name=axis_name,
+                          outer=_outer_optimizer(cfg), axis_name=axis_name,
                           codec=make_compressor(cfg))
 
 
-def _build_local_sgd(cfg, inner, axis_name, sync_every):
+def _build_local_sgd(config, inner, axis_name, sync_every):
+  cfg = config.outer
   return outer_lib.local_sgd(inner, sync_every=sync_every,
                              axis_name=axis_name,
                              codec=make_compressor(cfg))
 
 
-def _build_compressed_dp(cfg, inner, axis_name, sync_every):
+def _build_compressed_dp(config, inner, axis_name, sync_every):
   del sync_every
+  cfg = config.outer
   start = cfg.get('compress_start_step', 0)
   if start < 0:
     raise ValueError(f'outer.compress_start_step must be >= 0, got {start}')
@@ -274,10 +282,13 @@ def _diloco_counters(opt_state):
   return opt_state.num_syncs, opt_state.steps_since_sync
 
 
+# The DiLoCo family's entries use Method and make_compressor above.
+from loc_opt.train import family  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 METHODS: Mapping[str, Method] = {
     'data_parallel': Method(
         per_worker=False,
-        build=lambda cfg, inner, axis_name, sync_every: inner),
+        build=lambda config, inner, axis_name, sync_every: inner),
     'diloco': Method(per_worker=True, build=_build_diloco,
                      eval_params=_diloco_eval, has_sync=True,
                      counters=_diloco_counters),
@@ -288,6 +299,7 @@ METHODS: Mapping[str, Method] = {
     # compressed payloads (outer.codec) cross workers, every step.
     'compressed_data_parallel': Method(per_worker=True,
                                        build=_build_compressed_dp),
+    **family.METHODS,
 }
 
 

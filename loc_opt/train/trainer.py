@@ -432,7 +432,7 @@ def build_experiment(config: ml_collections.ConfigDict,
   sync_every = (methods_lib.make_sync_every(config, lr_schedule)
                 if method.has_sync else None)
   plan = None if method.plan is None else method.plan(config)
-  tx = method.build(config.outer, _make_inner(config, lr_schedule),
+  tx = method.build(config, _make_inner(config, lr_schedule),
                     parallel.WORKER, sync_every)
   init = functools.partial(_init_state, model=model, tx=tx, method=method,
                            workers=config.mesh.workers)

@@ -1,0 +1,204 @@
+r"""The DiLoCo family side by side at equal tokens on the reference LM.
+
+Trains the config's LM (4 workers x 2 devices) with data parallelism,
+DiLoCo, Streaming DiLoCo (fp32 and fp4 e3m0 outer gradients), Eager updates,
+NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO and asynchronous local SGD with
+one 2x-slower worker, all at the same sync period H where they have one,
+and reports per run
+
+* the final eval loss (each method's evaluation weights: the anchor / outer
+  parameters; NoLoCo and Eager evaluate each worker's own outer parameters);
+* total and peak cross-worker bytes, read from the compiled programs;
+* simulated wall-clock and compute utilization at 1 and 100 Gbit/s
+  (``loc_opt.parallel.wallclock``), for this model and projected to a
+  larger one (``--projected_params``, ``--projected_step_time``).
+
+The asynchronous run processes the same number of tokens as the others:
+its slow worker takes a step every other tick, so it runs
+``ceil(num_steps * M / sum(speeds))`` ticks. DiLoCo is also clocked with
+the same slow worker (synchronous methods wait for it; the numbers are
+DiLoCo's).
+
+  python -m experiments.diloco_family --workdir=/tmp/diloco_family \
+    [--runs=dp,diloco,...] [--config.num_steps=300]
+
+Writes ``results.md``, ``results.json`` and ``loss_vs_time.png`` to
+--workdir.
+"""
+
+import copy
+import math
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
+_SYNC_EVERY = flags.DEFINE_integer('sync_every', 30,
+                                   'H of every method that has one.')
+_STRAGGLER = flags.DEFINE_float('straggler_speed', 0.5,
+                                'Relative speed of the slow worker.')
+_PROJECTED_PARAMS = flags.DEFINE_float(
+    'projected_params', 1e9, 'Model size the bytes are projected to.')
+_PROJECTED_STEP = flags.DEFINE_float(
+    'projected_step_time', 1.0, 'Step time (s) of the projected model.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+flags.mark_flag_as_required('workdir')
+
+# name -> (label, overrides with '__' for nested fields)
+RUNS = {
+    'dp': ('data-parallel', {'outer__method': 'data_parallel'}),
+    'diloco': ('DiLoCo', {'outer__method': 'diloco'}),
+    'streaming': ('Streaming DiLoCo (P=3, tau=1)',
+                  {'outer__method': 'streaming_diloco'}),
+    'streaming_fp4': ('Streaming DiLoCo + fp4 e3m0',
+                      {'outer__method': 'streaming_diloco',
+                       'outer__codec': 'fp4_e3m0',
+                       'outer__codec_kwargs': {'block_size': None}}),
+    'eager': ('Eager updates', {'outer__method': 'eager_diloco'}),
+    'noloco': ('NoLoCo', {'outer__method': 'noloco'}),
+    'demo': ('DeMo (every step)', {'outer__method': 'demo'}),
+    'sparseloco': ('SparseLoCo', {'outer__method': 'sparseloco'}),
+    'desloc': ('DES-LOC', {'outer__method': 'desloc'}),
+    'mt_dao': ('MT-DAO', {'outer__method': 'mt_dao',
+                          'optimizer__name': 'multi_timescale_adam',
+                          'optimizer__kwargs': {
+                              'slow_betas': (0.99,), 'slow_weights': (0.8,),
+                              'b2': 0.95, 'weight_decay': 0.1}}),
+    'async': ('async local SGD (2x straggler, DN + DyLU)',
+              {'outer__method': 'async_local_sgd'}),
+}
+
+
+def _config(base, name, sync_every, straggler):
+  label, overrides = RUNS[name]
+  c = _runs.variant(base, outer__sync_every=sync_every, **overrides)
+  if name == 'async':
+    speeds = (1.0,) * (c.mesh.workers - 1) + (straggler,)
+    c.wallclock.worker_speeds = speeds
+    # Equal tokens: the slow worker takes fewer steps per tick.
+    c.num_steps = math.ceil(base.num_steps * c.mesh.workers / sum(speeds))
+  return label, c
+
+
+def _clock(exp, gbps, *, step_time, model_params=0, speeds=None):
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import simulated_time  # pylint: disable=g-import-not-at-top
+  c = exp.config.wallclock
+  return simulated_time.simulate_run(
+      exp, parallel.Link(gbps, c.latency_s), step_time_s=step_time,
+      model_params=model_params, speeds=speeds)
+
+
+def _fmt_time(seconds):
+  if seconds >= 3600:
+    return f'{seconds / 3600:.2f} h'
+  if seconds >= 60:
+    return f'{seconds / 60:.1f} min'
+  return f'{seconds:.1f} s'
+
+
+def _plot(rows, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for ax, key, title in (
+      (axes[0], 'cross_worker_bytes', 'total cross-worker bytes'),
+      (axes[1], 'projected_1gbps_s', 'simulated time at 1 Gbit/s '
+       '(projected model)')):
+    for r in rows:
+      ax.scatter(r[key], r['final_eval_loss'])
+      ax.annotate(r['label'], (r[key], r['final_eval_loss']),
+                  textcoords='offset points', xytext=(4, 3), fontsize=7)
+    ax.set_xscale('log')
+    ax.set_xlabel(title)
+    ax.set_ylabel('final eval loss')
+    ax.grid(True, alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  from loc_opt import train  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
+
+  names = _RUNS.value or list(RUNS)
+  unknown = sorted(set(names) - set(RUNS))
+  if unknown:
+    raise app.UsageError(f'unknown --runs {unknown}; choose from {list(RUNS)}')
+  base = copy.deepcopy(_CONFIG.value)
+  base.progress = False
+  h, straggler = _SYNC_EVERY.value, _STRAGGLER.value
+  proj_params, proj_step = _PROJECTED_PARAMS.value, _PROJECTED_STEP.value
+  step_time = base.wallclock.step_time_s
+  speeds_slow = (1.0,) * (base.mesh.workers - 1) + (straggler,)
+  rows = []
+  for name in names:
+    label, c = _config(base, name, h, straggler)
+    summary = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
+    exp = train.get_experiment(c)
+    row = {'name': name, 'label': label,
+           'final_eval_loss': summary['final_eval_loss'],
+           'steps': summary['step'],
+           'cross_worker_bytes': summary['cross_worker_bytes'],
+           'peak_bytes_per_step': summary['peak_bytes_per_step'],
+           'bytes_per_phase': summary['bytes_per_phase'],
+           'curve': summary['curve']}
+    variants = [(label, None)]
+    if name == 'diloco':
+      variants.append(('DiLoCo, 2x straggler (waits)', speeds_slow))
+    for vlabel, speeds in variants:
+      r = dict(row, label=vlabel)
+      for gbps in (1.0, 100.0):
+        clock = _clock(exp, gbps, step_time=step_time, speeds=speeds)
+        proj = _clock(exp, gbps, step_time=proj_step,
+                      model_params=proj_params, speeds=speeds)
+        tag = f'{gbps:g}gbps'
+        r[f'{tag}_s'] = clock.total_s
+        r[f'{tag}_util'] = clock.utilization
+        r[f'projected_{tag}_s'] = proj.total_s
+        r[f'projected_{tag}_util'] = proj.utilization
+      rows.append(r)
+    print(f'  bytes {metrics.format_bytes(row["cross_worker_bytes"])}, '
+          f'peak/step {metrics.format_bytes(row["peak_bytes_per_step"])}',
+          flush=True)
+
+  tokens = base.num_steps * base.batch_size * base.data.seq_len
+  lines = [
+      f'{tokens:,} tokens per run ({base.num_steps} steps x '
+      f'{base.batch_size} x {base.data.seq_len}); {base.mesh.workers} '
+      f'workers x {base.mesh.data * base.mesh.fsdp * base.mesh.tensor} '
+      f'devices; H = {h}; model {exp.model.num_params:,} params. '
+      f'Simulated time: this model at {step_time} s/step, and projected to '
+      f'{proj_params:.3g} params at {proj_step} s/step; latency '
+      f'{base.wallclock.latency_s} s.', '',
+      '| run | final eval loss | total cross-worker bytes | peak bytes '
+      '/ step | time @1 Gbit/s (util) | time @100 Gbit/s (util) | projected '
+      '@1 Gbit/s (util) | projected @100 Gbit/s (util) |',
+      '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    cells = [r['label'], f'{r["final_eval_loss"]:.4f}',
+             f'{r["cross_worker_bytes"]:,}', f'{r["peak_bytes_per_step"]:,}']
+    for prefix in ('', 'projected_'):
+      for tag in ('1gbps', '100gbps'):
+        cells.append(f'{_fmt_time(r[prefix + tag + "_s"])} '
+                     f'({r[prefix + tag + "_util"]:.0%})')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  _runs.write(_WORKDIR.value, 'results', '\n'.join(lines) + '\n', rows)
+  _plot(rows, os.path.join(_WORKDIR.value, 'loss_vs_time.png'))
+
+
+if __name__ == '__main__':
+  app.run(main)
