@@ -152,6 +152,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.async_sgd.dylu = True  # Slower workers take fewer inner steps.
   c.outer.async_sgd.buffer_size = 0  # DN's N (0 = number of workers).
   c.outer.async_sgd.activation = 0.0  # DN's c, in [0, 1/N].
+  # EDiT ('edit_diloco'): DiLoCo with a pseudo-gradient penalty (outer step:
+  # learning_rate, momentum above).
+  c.outer.edit = ml_collections.ConfigDict()
+  c.outer.edit.ewma = 0.02  # EWMA rate of each worker's norm statistics.
+  c.outer.edit.warmup_syncs = 120  # Syncs before anomalies are dropped.
+  c.outer.edit.z_threshold = 3.0  # Norm z-score that drops a worker.
+  c.outer.edit.temperature = 1.0  # Softmax temperature of the weights.
+  c.outer.edit.clip_norm = 0.0  # Clip of the averaged delta (0 = none).
+  # CO2 ('co2'): local SGD whose outer step uses the previous round's
+  # average, so the all-reduce overlaps a whole round.
+  c.outer.co2 = ml_collections.ConfigDict()
+  c.outer.co2.learning_rate = 1.0  # Outer learning rate.
+  c.outer.co2.momentum = 0.5  # Outer momentum.
+  c.outer.co2.staleness_penalty = 1.0  # lambda.
+  c.outer.co2.clip = 1.0  # Element-wise clip of the momentum (0 = none).
 
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the

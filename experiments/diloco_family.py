@@ -2,8 +2,8 @@ r"""The DiLoCo family side by side at equal tokens on the reference LM.
 
 Trains the config's LM (4 workers x 2 devices) with data parallelism,
 DiLoCo, Streaming DiLoCo (fp32 and fp4 e3m0 outer gradients), Eager updates,
-NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO and asynchronous local SGD with
-one 2x-slower worker, all at the same sync period H where they have one,
+NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO, EDiT, CO2 and asynchronous local
+SGD with one 2x-slower worker, all at the same sync period H where they have one,
 and reports per run
 
 * the final eval loss (each method's evaluation weights: the anchor / outer
@@ -72,6 +72,10 @@ RUNS = {
                           'optimizer__kwargs': {
                               'slow_betas': (0.99,), 'slow_weights': (0.8,),
                               'b2': 0.95, 'weight_decay': 0.1}}),
+    'edit': ('EDiT (penalty: drop, weight, clip)',
+             {'outer__method': 'edit_diloco', 'outer__edit__warmup_syncs': 3,
+              'outer__edit__clip_norm': 0.0}),
+    'co2': ('CO2 (one-round-stale outer step)', {'outer__method': 'co2'}),
     'async': ('async local SGD (2x straggler, DN + DyLU)',
               {'outer__method': 'async_local_sgd'}),
 }

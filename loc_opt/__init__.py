@@ -14,6 +14,8 @@ from loc_opt.outer import diloco_eval_params
 from loc_opt.outer import DilocoState
 from loc_opt.outer import local_sgd
 from loc_opt.outer import async_local_sgd
+from loc_opt.outer import co2
+from loc_opt.outer import edit_diloco
 from loc_opt.outer import delayed_nesterov
 from loc_opt.outer import demo
 from loc_opt.outer import desloc

@@ -15,6 +15,8 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
 * DES-LOC, Local Adam and MT-DAO (:mod:`~loc_opt.outer.desynced`).
 * Asynchronous local SGD with Delayed Nesterov and DyLU, simulated
   (:mod:`~loc_opt.outer.asynchronous`).
+* EDiT's pseudo-gradient penalty (:mod:`~loc_opt.outer.robust_average`) and
+  CO2's one-round-stale outer step (:mod:`~loc_opt.outer.stale_overlap`).
 """
 
 from loc_opt.outer.asynchronous import async_eval_params
@@ -59,10 +61,20 @@ from loc_opt.outer.no_allreduce import noloco_eval_params
 from loc_opt.outer.no_allreduce import noloco_groups
 from loc_opt.outer.no_allreduce import noloco_plan
 from loc_opt.outer.plan import Plan
+from loc_opt.outer.robust_average import edit_bytes
+from loc_opt.outer.robust_average import edit_diloco
+from loc_opt.outer.robust_average import edit_eval_params
+from loc_opt.outer.robust_average import edit_plan
+from loc_opt.outer.robust_average import EditState
 from loc_opt.outer.sparse_outer import sparseloco
 from loc_opt.outer.sparse_outer import sparseloco_eval_params
 from loc_opt.outer.sparse_outer import sparseloco_payload_bytes
 from loc_opt.outer.sparse_outer import sparseloco_plan
+from loc_opt.outer.stale_overlap import co2
+from loc_opt.outer.stale_overlap import co2_bytes
+from loc_opt.outer.stale_overlap import co2_eval_params
+from loc_opt.outer.stale_overlap import co2_plan
+from loc_opt.outer.stale_overlap import Co2State
 from loc_opt.outer.streaming import fragment_bytes
 from loc_opt.outer.streaming import fragment_ids
 from loc_opt.outer.streaming import streaming_diloco

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from loc_opt import compression
+from loc_opt.outer import plan as plan_lib
 
 SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
 
@@ -226,23 +227,21 @@ def diloco(
       return (inner_updates, state.anchor, state.outer_state,
               state.codec_state, jnp.zeros([], jnp.int32))
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_period(sync_every, state.count)
-      out = jax.lax.cond(due, outer_step, inner_only, None)
-    elif sync:
-      out = outer_step(None)
-    else:
-      out = inner_only(None)
+    out = plan_lib.branch(
+        sync,
+        lambda: state.steps_since_sync + 1 >= sync_period(sync_every,
+                                                          state.count),
+        lambda: outer_step(None), lambda: inner_only(None))
     new_updates, anchor, outer_state, codec_state, synced = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = DilocoState(
         inner_state=inner_state,
         anchor=anchor,
         outer_state=outer_state,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
         codec_state=codec_state,
     )
     return new_updates, new_state

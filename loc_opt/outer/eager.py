@@ -201,28 +201,24 @@ def eager_diloco(
                       state.prev_sent, state.prev_mean, state.codec_state,
                       jnp.zeros([], jnp.int32)))
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_every
-      out = jax.lax.cond(due, outer_step, inner_only, None)
-    elif sync is True:
-      out = outer_step(None)
-    elif sync is False:
-      out = inner_only(None)
-    else:
+    if sync not in (None, True, False):
       raise ValueError(f'sync must be None, True or False, got {sync!r}')
+    out = plan_lib.branch(
+        sync, lambda: state.steps_since_sync + 1 >= sync_every,
+        lambda: outer_step(None), lambda: inner_only(None))
     (new_updates, anchor, outer_state, prev_sent, prev_mean, codec_state,
      synced) = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = EagerDilocoState(
         inner_state=inner_state,
         anchor=anchor,
         outer_state=outer_state,
         prev_sent=prev_sent,
         prev_mean=prev_mean,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
         codec_state=codec_state,
     )
     return new_updates, new_state

@@ -347,23 +347,20 @@ def noloco(
         out = comm.varying(out)
       return out + (jnp.zeros([], jnp.int32),)
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_every
-      out = jax.lax.cond(due, outer_step, inner_only, None)
-    elif sync is False:
-      out = inner_only(None)
-    else:
-      out = outer_step(groups)
+    out = plan_lib.branch(
+        None if sync is None else sync is not False,
+        lambda: state.steps_since_sync + 1 >= sync_every,
+        lambda: outer_step(groups), lambda: inner_only(None))
     new_updates, anchor, momentum_, synced = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = NolocoState(
         inner_state=inner_state,
         anchor=anchor,
         momentum=momentum_,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
     )
     return new_updates, new_state
 

@@ -15,10 +15,18 @@ inner steps taken before the step) that a training loop uses to pick the
 program, without reading device memory. ``update(..., sync=None)`` decides
 the same thing on device from the state's counters (one program with
 ``lax.cond`` / ``lax.switch``); both give the same numbers.
+
+:func:`branch` and :func:`advance` are the device-side pieces the methods
+share: run a step's sync or inner branch, and move the step counters.
 """
 
 from collections.abc import Callable, Hashable
 import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +80,39 @@ def every(period: int, offset: int = 0) -> Callable[[int], bool]:
     return count >= offset and (count - offset + 1) % period == 0
 
   return due
+
+
+def branch(sync: Any, due: Callable[[], jax.Array],
+           on_sync: Callable[[], Any], on_inner: Callable[[], Any]) -> Any:
+  """Runs the sync or the inner branch of a two-phase step.
+
+  Args:
+    sync: the static phase: ``None`` decides on device from ``due()``;
+      otherwise a truthy phase runs ``on_sync`` and a falsy one ``on_inner``
+      (traced alone, so the inner program holds no collective).
+    due: ``() -> bool`` array, whether this step syncs (read only when
+      ``sync is None``).
+    on_sync: ``() -> outputs`` of a sync step.
+    on_inner: ``() -> outputs`` of an inner step, typed like ``on_sync``'s.
+
+  Returns:
+    The branch's outputs. With ``sync=None`` under a trace this is a
+    ``lax.cond``; outside one (an eager call with concrete counters) only
+    the due branch runs, since an eager ``cond`` compiles both.
+  """
+  if sync is not None:
+    return on_sync() if sync else on_inner()
+  flag = due()
+  if isinstance(flag, jax.core.Tracer):
+    return jax.lax.cond(flag, lambda _: on_sync(), lambda _: on_inner(), None)
+  return on_sync() if bool(flag) else on_inner()
+
+
+def advance(count: jax.Array, steps_since_sync: jax.Array,
+            num_syncs: jax.Array, synced: jax.Array
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The counters after a step: ``(count + 1, steps since the last sync,
+  syncs)``; ``synced`` is an int32 0 / 1 scalar."""
+  since = jnp.where(synced > 0, 0, optax.safe_increment(steps_since_sync))
+  return (optax.safe_increment(count), since.astype(jnp.int32),
+          num_syncs + synced)

@@ -246,26 +246,19 @@ def sparseloco(
              jnp.zeros([], jnp.int32))
       return comm.varying(out) if comm is not None else out
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_every
-      if isinstance(due, jax.core.Tracer):
-        out = jax.lax.cond(due, outer_step, inner_only, None)
-      else:  # Eager: run the one branch (an eager cond compiles both).
-        out = outer_step(None) if bool(due) else inner_only(None)
-    elif sync:
-      out = outer_step(None)
-    else:
-      out = inner_only(None)
+    out = plan_lib.branch(
+        sync, lambda: state.steps_since_sync + 1 >= sync_every,
+        lambda: outer_step(None), lambda: inner_only(None))
     new_updates, anchor, error, synced = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = SparselocoState(
         inner_state=inner_state,
         anchor=anchor,
         error=error,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
     )
     return new_updates, new_state
 

@@ -21,6 +21,8 @@ from loc_opt.outer import decoupled
 from loc_opt.outer import desynced
 from loc_opt.outer import eager
 from loc_opt.outer import no_allreduce
+from loc_opt.outer import robust_average
+from loc_opt.outer import stale_overlap
 from loc_opt.outer import sparse_outer
 from loc_opt.outer import streaming
 from loc_opt.train import methods
@@ -201,6 +203,30 @@ def _build_async(config, inner, axis_name, sync_every):
                   outer=server, axis_name=axis_name, **_async_args(config))
 
 
+# EDiT and CO2.
+
+def _build_edit(config, inner, axis_name, sync_every):
+  del sync_every
+  s = _section(config, 'edit')
+  return _checked(
+      'outer.edit', robust_average.edit_diloco, inner, sync_every=_h(config),
+      outer=methods._outer_optimizer(config.outer),  # pylint: disable=protected-access
+      ewma=s.get('ewma', 0.02), warmup_syncs=int(s.get('warmup_syncs', 120)),
+      z_threshold=s.get('z_threshold', 3.0),
+      temperature=s.get('temperature', 1.0),
+      clip_norm=s.get('clip_norm', 0.0) or None, axis_name=axis_name)
+
+
+def _build_co2(config, inner, axis_name, sync_every):
+  del sync_every
+  s = _section(config, 'co2')
+  return _checked(
+      'outer.co2', stale_overlap.co2, inner, sync_every=_h(config),
+      outer_lr=s.get('learning_rate', 1.0), momentum=s.get('momentum', 0.5),
+      staleness_penalty=s.get('staleness_penalty', 1.0),
+      clip=s.get('clip', 1.0) or None, axis_name=axis_name)
+
+
 METHODS: Mapping[str, methods.Method] = {
     'streaming_diloco': methods.Method(
         per_worker=True, build=_build_streaming,
@@ -235,6 +261,16 @@ METHODS: Mapping[str, methods.Method] = {
         build=lambda *a: _build_desloc(*a, mt=True),
         eval_params=desynced.desloc_eval_params,
         plan=lambda config: _desloc_plan(config, mt=True)),
+    'edit_diloco': methods.Method(
+        per_worker=True, build=_build_edit,
+        eval_params=robust_average.edit_eval_params,
+        plan=lambda config: robust_average.edit_plan(_h(config))),
+    'co2': methods.Method(
+        per_worker=True, build=_build_co2,
+        eval_params=stale_overlap.co2_eval_params,
+        plan=lambda config: stale_overlap.co2_plan(_h(config)),
+        # the stale average may arrive any time in the next round
+        overlap_steps=methods.check_sync_every),
     'async_local_sgd': methods.Method(
         per_worker=True, build=_build_async,
         eval_params=asynchronous.async_eval_params,

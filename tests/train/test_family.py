@@ -30,6 +30,8 @@ CASES = {
     'mt_dao': {'optimizer.name': 'multi_timescale_adam',
                'optimizer.kwargs': {'b2': 0.95, 'weight_decay': 0.1}},
     'async_local_sgd': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
+    'edit_diloco': {'outer.edit.warmup_syncs': 1},
+    'co2': {},
 }
 
 
