@@ -9,8 +9,8 @@ moment. :func:`loc_opt.outer.desynced.mt_dao` wraps it in DES-LOC so that
 each state is averaged over workers on its own period.
 
 References:
-  Iacob, Sani, Kurmanji, Shen, Qiu, Cao, Lane, *MT-DAO: Multi-Timescale
-  Distributed Adaptive Optimizers with Local Updates*, 2025.
+  Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
+  with Local Updates*, 2025.
 
   Ma, Yarats, *Quasi-hyperbolic momentum and Adam for deep learning*, 2019.
 

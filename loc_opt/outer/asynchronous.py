@@ -22,8 +22,8 @@ program stays a per-worker Optax transform (see :func:`async_events` for the
 schedule).
 
 References:
-  Liu, Douillard, Ranzato, Szlam, Rusu, *Asynchronous Local-SGD Training for
-  Language Modeling*, 2024. https://arxiv.org/abs/2401.09135
+  Liu et al., *Asynchronous Local-SGD Training for Language Modeling*,
+  2024. https://arxiv.org/abs/2401.09135
 """
 
 from collections.abc import Hashable, Sequence

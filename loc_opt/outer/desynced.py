@@ -14,11 +14,11 @@ crosses workers) or the sorted tuple of what is averaged, e.g.
 ``('mu', 'params')``.
 
 References:
-  Iacob, Sani, Kurmanji, Shen, Qiu, Cao, Lane, *DES-LOC: Desynced Low
-  Communication Adaptive Optimizers for Training Foundation Models*, 2025.
+  Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
+  for Training Foundation Models*, 2025.
 
-  Iacob, Sani, Kurmanji, Shen, Qiu, Cao, Lane, *MT-DAO: Multi-Timescale
-  Distributed Adaptive Optimizers with Local Updates*, 2025.
+  Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
+  with Local Updates*, 2025.
 """
 
 from collections.abc import Callable, Mapping, Sequence

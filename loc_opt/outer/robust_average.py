@@ -20,9 +20,8 @@ prefetch, so each collective overlaps compute) and has a time-based variant
 the penalty, with one sync step every ``H`` inner steps.
 
 References:
-  Cheng, Xu, Li, Liu, Chen, Zhang, Zhou, Yang, Xiao, Wang, Wang, Zhang, Zhou,
-  Chen, *EDiT: A Local-SGD-Based Efficient Distributed Training Method for
-  Large Language Models*, ICLR 2025. https://arxiv.org/abs/2412.07210
+  Cheng et al., *EDiT: A Local-SGD-Based Efficient Distributed Training
+  Method for Large Language Models*, ICLR 2025.
 """
 
 from collections.abc import Callable

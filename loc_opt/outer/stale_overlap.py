@@ -12,9 +12,8 @@ its result is stored in the state until the next sync: the numerics of the
 overlap are reproduced, not its speed.
 
 References:
-  Sun, Qin, Sun, Li, Li, Zhong, *CO2: Efficient Distributed Training with
-  Full Communication-Computation Overlap*, ICLR 2024.
-  https://arxiv.org/abs/2401.16265
+  Sun et al., *CO2: Efficient Distributed Training with Full
+  Communication-Computation Overlap*, ICLR 2024.
 
   Wang, Tantia, Ballas, Rabbat, *SlowMo: Improving Communication-Efficient
   Distributed SGD with Slow Momentum*, ICLR 2020.

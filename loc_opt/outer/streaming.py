@@ -15,8 +15,7 @@ of overlap are reproduced, not its speed (real overlap needs asynchronous
 collectives or a multi-controller design).
 
 References:
-  Douillard, Donchev, Rush, Kale, Rusu, Charles, Garrett, Ranzato, Szlam,
-  et al., *Streaming DiLoCo with overlapping communication: Towards a
+  Douillard et al., *Streaming DiLoCo with overlapping communication: Towards a
   Distributed Free Lunch*, 2025. https://arxiv.org/abs/2501.18512
 """
 
