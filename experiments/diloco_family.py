@@ -3,7 +3,8 @@ r"""The DiLoCo family side by side at equal tokens on the reference LM.
 Trains the config's LM (4 workers x 2 devices) with data parallelism,
 DiLoCo, Streaming DiLoCo (fp32 and fp4 e3m0 outer gradients), Eager updates,
 NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO, EDiT, CO2 and asynchronous local
-SGD with one 2x-slower worker, all at the same sync period H where they have one,
+SGD with one 2x-slower worker, all at the same sync period H where they have
+one,
 and reports per run
 
 * the final eval loss (each method's evaluation weights: the anchor / outer
@@ -97,7 +98,7 @@ def _config(base, name, sync_every, straggler):
 
 def _clock(exp, gbps, *, step_time, model_params=0, speeds=None):
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import simulated_time  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import simulated_time  # pylint: disable=g-import-not-at-top,line-too-long
   c = exp.config.wallclock
   return simulated_time.simulate_run(
       exp, parallel.Link(gbps, c.latency_s), step_time_s=step_time,

@@ -25,11 +25,11 @@ from loc_opt.outer.asynchronous import async_local_sgd
 from loc_opt.outer.asynchronous import async_phase_bytes
 from loc_opt.outer.asynchronous import async_plan
 from loc_opt.outer.asynchronous import AsyncLocalSgdState
-from loc_opt.outer.asynchronous import delayed_nesterov
-from loc_opt.outer.asynchronous import DelayedNesterovState
+from loc_opt.outer.server_momentum import delayed_nesterov
+from loc_opt.outer.server_momentum import DelayedNesterovState
 from loc_opt.outer.asynchronous import dylu_periods
 from loc_opt.outer.asynchronous import push_bytes
-from loc_opt.outer.asynchronous import scale_by_delayed_nesterov
+from loc_opt.outer.server_momentum import scale_by_delayed_nesterov
 from loc_opt.outer.decoupled import demo
 from loc_opt.outer.decoupled import demo_eval_params
 from loc_opt.outer.decoupled import demo_payload_bytes

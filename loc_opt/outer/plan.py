@@ -1,4 +1,4 @@
-"""Host-side plans: which static program each step of a local-update method runs.
+"""Host-side plans: which static program each step of a method runs.
 
 Local-update methods talk across workers on a few steps only, and what they
 send differs between those steps (Streaming DiLoCo sends one fragment at a

@@ -17,6 +17,7 @@ import ml_collections
 from loc_opt import models
 
 from loc_opt.outer import asynchronous
+from loc_opt.outer import server_momentum
 from loc_opt.outer import decoupled
 from loc_opt.outer import desynced
 from loc_opt.outer import eager
@@ -74,7 +75,7 @@ def _build_streaming(config, inner, axis_name, sync_every):
       sync_every=_h(config), num_fragments=args['num_fragments'],
       fragments=fragments, overlap=args['overlap'],
       alpha=s.get('alpha', None),
-      outer=methods._outer_optimizer(config.outer),  # pylint: disable=protected-access
+      outer=methods.outer_optimizer(config.outer),
       axis_name=axis_name, codec=methods.make_compressor(config.outer))
 
 
@@ -84,7 +85,7 @@ def _build_eager(config, inner, axis_name, sync_every):
   del sync_every
   return eager.eager_diloco(
       inner, sync_every=_h(config),
-      outer=methods._outer_optimizer(config.outer),  # pylint: disable=protected-access
+      outer=methods.outer_optimizer(config.outer),
       axis_name=axis_name, codec=methods.make_compressor(config.outer),
       naive=bool(_section(config, 'eager').get('naive', False)))
 
@@ -158,7 +159,7 @@ def _state_periods(config, mt: bool) -> dict[str, int]:
 
 def _desloc_outer(config):
   if _section(config, 'desloc').get('nesterov', False):
-    return methods._outer_optimizer(config.outer)  # pylint: disable=protected-access
+    return methods.outer_optimizer(config.outer)
   return None
 
 
@@ -196,7 +197,7 @@ def _build_async(config, inner, axis_name, sync_every):
   s = _section(config, 'async_sgd')
   n = int(s.get('buffer_size', 0)) or config.mesh.workers
   server = _checked(
-      'outer.async_sgd', asynchronous.delayed_nesterov,
+      'outer.async_sgd', server_momentum.delayed_nesterov,
       config.outer.learning_rate, momentum=config.outer.momentum,
       buffer_size=n, activation=s.get('activation', 0.0))
   return _checked('outer.async_sgd', asynchronous.async_local_sgd, inner,
@@ -210,7 +211,7 @@ def _build_edit(config, inner, axis_name, sync_every):
   s = _section(config, 'edit')
   return _checked(
       'outer.edit', robust_average.edit_diloco, inner, sync_every=_h(config),
-      outer=methods._outer_optimizer(config.outer),  # pylint: disable=protected-access
+      outer=methods.outer_optimizer(config.outer),
       ewma=s.get('ewma', 0.02), warmup_syncs=int(s.get('warmup_syncs', 120)),
       z_threshold=s.get('z_threshold', 3.0),
       temperature=s.get('temperature', 1.0),

@@ -236,7 +236,7 @@ def make_compressor(cfg: ml_collections.ConfigDict) -> compression.Compressor:
       eligible=compression.min_size(min_size) if min_size else None)
 
 
-def _outer_optimizer(cfg) -> optax.GradientTransformation:
+def outer_optimizer(cfg) -> optax.GradientTransformation:
   """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer."""
   if not cfg.get('nesterov', True):
     return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
@@ -246,7 +246,7 @@ def _outer_optimizer(cfg) -> optax.GradientTransformation:
 def _build_diloco(config, inner, axis_name, sync_every):
   cfg = config.outer
   return outer_lib.diloco(inner, sync_every=sync_every,
-                          outer=_outer_optimizer(cfg), axis_name=axis_name,
+                          outer=outer_optimizer(cfg), axis_name=axis_name,
                           codec=make_compressor(cfg))
 
 
@@ -283,7 +283,7 @@ def _diloco_counters(opt_state):
 
 
 # The DiLoCo family's entries use Method and make_compressor above.
-from loc_opt.train import family  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from loc_opt.train import family  # noqa: E402
 
 METHODS: Mapping[str, Method] = {
     'data_parallel': Method(
