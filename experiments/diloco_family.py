@@ -4,8 +4,7 @@ Trains the config's LM (4 workers x 2 devices) with data parallelism,
 DiLoCo, Streaming DiLoCo (fp32 and fp4 e3m0 outer gradients), Eager updates,
 NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO, EDiT, CO2 and asynchronous local
 SGD with one 2x-slower worker, all at the same sync period H where they have
-one,
-and reports per run
+one, and reports per run
 
 * the final eval loss (each method's evaluation weights: the anchor / outer
   parameters; NoLoCo and Eager evaluate each worker's own outer parameters);
