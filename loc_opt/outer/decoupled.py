@@ -237,12 +237,12 @@ _jit_mean = jax.jit(SparseTiles._mean, static_argnums=(0, 2, 4))
 
 
 def exchange(messages: Any, comm: compression.Comm | None) -> Any:
-  """Every worker's message, stacked on a leading axis (an all-gather
-  spread over each worker's devices; a length-1 axis without a worker
-  axis)."""
+  """Every worker's message, stacked on a leading axis: one all-gather of
+  all leaves packed into a byte buffer, spread over each worker's devices
+  (a length-1 axis without a worker axis)."""
   if comm is None:
     return jax.tree.map(lambda x: x[None], messages)
-  return comm.all_gather(messages)
+  return comm.all_gather_packed(messages)
 
 
 def _tree_bytes(tiles: SparseTiles, params: Any) -> int:
