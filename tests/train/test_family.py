@@ -156,3 +156,32 @@ def test_resumed_plan_run_equals_uninterrupted(data_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for key in ('final_eval_loss', 'cross_worker_bytes', 'syncs'):
     assert full[key] == resumed[key], key
+
+
+def test_stragglers_slow_synchronous_methods_only(data_dir):
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import simulated_time  # pylint: disable=g-import-not-at-top
+  sync = trainer_lib.get_experiment(_config(
+      data_dir, 'eager_diloco', **{'outer.method': 'diloco'}))
+  asynchronous = trainer_lib.get_experiment(_config(data_dir,
+                                                    'async_local_sgd'))
+  link = parallel.Link(100.0)
+  for exp, factor in ((sync, 2.0), (asynchronous, 1.0)):
+    even = simulated_time.simulate_run(exp, link, step_time_s=1.0,
+                                       speeds=(1.0,) * WORKERS)
+    slow = simulated_time.simulate_run(exp, link, step_time_s=1.0,
+                                       speeds=(1.0, 1.0, 1.0, 0.5))
+    assert slow.compute_s == pytest.approx(factor * even.compute_s)
+    assert slow.ideal_s == even.ideal_s == exp.config.num_steps
+
+
+@pytest.mark.parametrize('field, value', [
+    ('wallclock.worker_speeds', (1.0, 0.5)),  # 2 speeds for 4 workers
+    ('wallclock.worker_speeds', (0.5, 0.5, 0.5, 0.5)),  # no fastest at 1
+    ('wallclock.step_time_s', 0.0),
+    ('wallclock.bandwidths_gbps', (1.0, -2.0)),
+])
+def test_bad_wallclock_fields_are_named(data_dir, field, value):
+  config = _config(data_dir, 'noloco', **{field: value})
+  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+    train.validate_config(config, 8)
