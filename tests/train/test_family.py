@@ -1,17 +1,25 @@
-"""The DiLoCo family through the trainer: every method by name, end to end.
+"""The DiLoCo family through the trainer: every method by name.
 
-Each method trains the tiny LM for a few steps on 4 workers x 2 devices; the
-compiled programs' bytes are checked per phase (inner steps move nothing
-across workers; sync phases move what the method's byte helper says), and
-the summary carries the peak bytes and the simulated wall-clock.
+Every method builds from its config section (no compilation); a
+representative set, one per kind of plan (fragments with apply-only phases,
+peer groups, every-step exchange, sparse payloads, worker speeds, an
+optimizer-state period), trains the tiny LM for a few steps on 4 workers x 2
+devices, and its compiled programs' bytes are checked per phase: inner
+steps move nothing across workers, sync phases move their payload, and the
+summary carries the peak bytes and the simulated wall-clock. The transforms'
+own numerics and bytes are tested in ``tests/outer``.
 """
 
 import jax
 import numpy as np
 import pytest
 
+from loc_opt import models
 from loc_opt import outer
+from loc_opt import parallel
 from loc_opt import train
+from loc_opt.train import methods as methods_lib
+from loc_opt.train import simulated_time
 from loc_opt.train import trainer as trainer_lib
 from tests.train.test_trainer import tiny_config
 
@@ -19,8 +27,12 @@ WORKERS = 4
 
 # method -> config overrides (tiny model: 1 block; H = 4)
 CASES = {
+    'diloco': {},
+    'local_sgd': {},
+    'compressed_data_parallel': {},
     'streaming_diloco': {'outer.streaming.num_fragments': 2,
-                         'outer.streaming.overlap': 1},
+                         'outer.streaming.overlap': 1,
+                         'checkpoint_every': 2},
     'eager_diloco': {},
     'noloco': {},
     'demo': {},
@@ -33,6 +45,8 @@ CASES = {
     'edit_diloco': {'outer.edit.warmup_syncs': 1},
     'co2': {},
 }
+TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
+           'async_local_sgd')
 
 
 @pytest.fixture(scope='module')
@@ -42,146 +56,141 @@ def data_dir(tmp_path_factory):
 
 def _config(data_dir, method, **extra):
   overrides = {'outer.method': method, 'num_steps': 8, 'eval_every': 8,
-               'checkpoint_every': 8, **CASES[method], **extra}
+               'checkpoint_every': 8, **CASES.get(method, {}), **extra}
   return tiny_config(data_dir, **overrides)
 
 
-def _fp32_params_bytes(exp):
-  """Bytes of one fp32 copy of the model, per worker."""
-  return 4 * exp.model.num_params
+def test_every_method_is_registered_and_builds_from_its_config(data_dir):
+  assert set(CASES) == set(methods_lib.METHODS) - {'data_parallel'}
+  for method in CASES:
+    config = _config(data_dir, method)
+    train.validate_config(config, 8)
+    m = methods_lib.get_method(method)
+    lr = trainer_lib._lr_schedule(config)  # pylint: disable=protected-access
+    sync_every = (methods_lib.make_sync_every(config, lr) if m.has_sync
+                  else None)
+    tx = m.build(config, trainer_lib._make_inner(config, lr), 'worker',  # pylint: disable=protected-access
+                 sync_every)
+    model = models.build_model(config.model)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    state = jax.eval_shape(tx.init, params)
+    assert jax.tree.leaves(state), method
+    if m.plan is not None:
+      plan = m.plan(config)
+      phases = plan.phases(config.num_steps)
+      assert phases[0] == plan.inner and len(phases) > 1, method
+      assert plan.num_syncs(0, config.num_steps) > 0, method
 
 
-@pytest.mark.parametrize('method', sorted(CASES))
-def test_method_trains_and_its_inner_steps_move_nothing(data_dir, tmp_path,
-                                                        method):
-  config = _config(data_dir, method)
-  summary = train.train_and_evaluate(config, tmp_path / method)
+def _check_run(summary, exp, config, method):
   assert summary['finished']
   assert np.isfinite(summary['final_eval_loss'])
-  exp = trainer_lib.get_experiment(config)
   nbytes = exp.programs.bytes_per_step
-  phases = list(nbytes)
-  # Every phase the run used was compiled and measured.
-  used = {exp.plan(c) for c in range(config.num_steps)}
-  assert used <= set(phases)
-  for phase in phases:
+  used = [exp.plan(c) for c in range(config.num_steps)]
+  assert set(used) <= set(nbytes)  # every phase used was measured
+  for phase in set(used):
     # Inner steps (and Streaming DiLoCo's apply-only steps) move nothing
     # across workers; every sync moves something.
-    if not exp.plan.is_sync(phase):
-      assert nbytes[phase] == 0, (method, phase)
-    else:
+    if exp.plan.is_sync(phase):
       assert nbytes[phase] > 0, (method, phase)
+    else:
+      assert nbytes[phase] == 0, (method, phase)
   assert summary['syncs'] == exp.plan.num_syncs(0, config.num_steps) > 0
   assert summary['peak_bytes_per_step'] == max(nbytes.values())
-  assert summary['cross_worker_bytes'] == sum(
-      nbytes[exp.plan(c)] for c in range(config.num_steps))
+  assert summary['cross_worker_bytes'] == sum(nbytes[p] for p in used)
   clock = summary['wallclock']
   slow, fast = clock['1gbps'], clock['100gbps']
   assert slow['seconds'] >= fast['seconds'] > 0
   assert 0 < slow['utilization'] <= fast['utilization'] <= 1
 
 
-def test_streaming_peak_is_a_fragment_and_fp4_cuts_it(data_dir):
-  exp = trainer_lib.get_experiment(_config(data_dir, 'streaming_diloco'))
-  fp4 = trainer_lib.get_experiment(_config(
-      data_dir, 'streaming_diloco', **{'outer.codec': 'fp4_e3m0',
-                                       'outer.codec_kwargs': {
-                                           'block_size': None}}))
-  dil = trainer_lib.get_experiment(_config(
-      data_dir, 'eager_diloco', **{'outer.method': 'diloco'}))
-  full = dil.programs.bytes_per_step[True]
-  peak = max(exp.programs.bytes_per_step[p] for p in exp.plan.phases(8))
-  peak_fp4 = max(fp4.programs.bytes_per_step[p] for p in fp4.plan.phases(8))
+def _streaming_checks(exp, config, summary, tmp_path):
+  # The peak is the largest fragment, each element sent once per worker.
   params = jax.eval_shape(exp.model.init, jax.random.key(0))
-  frags = outer.streaming.fragment_bytes(
-      params, outer.streaming.fragment_ids(params, 2))
-  # The largest fragment, sent once per worker device pair (spread), per
-  # worker: the compiled peak matches the byte helper.
-  assert peak / WORKERS == pytest.approx(max(frags), rel=0.02)
-  assert peak < 0.75 * full
-  assert peak_fp4 < peak / 7
-
-
-def test_noloco_sync_is_only_collective_permutes(data_dir):
-  exp = trainer_lib.get_experiment(_config(data_dir, 'noloco'))
-  for phase in exp.plan.phases(8):
-    if not exp.plan.is_sync(phase):
-      continue
-    exp.programs.steps[phase]  # compiled on first use
-    kinds = {kind for kind, _ in exp.programs.steps.transfers[phase]}
-    assert kinds == {'collective-permute'}, kinds
-    per_worker = exp.programs.bytes_per_step[phase] / WORKERS
-    assert per_worker == pytest.approx(2 * _fp32_params_bytes(exp), rel=0.02)
-
-
-@pytest.mark.parametrize('method, field', [
-    ('streaming_diloco', 'outer.streaming'),
-    ('noloco', 'outer.noloco'),
-    ('desloc', 'outer.desloc'),
-])
-def test_bad_family_fields_name_the_section(data_dir, method, field):
-  bad = {
-      'streaming_diloco': {'outer.streaming.num_fragments': 3},  # 4 % 3
-      'noloco': {'outer.noloco.group_size': 3},  # 4 % 3
-      'desloc': {'outer.desloc.mu_sync_every': -2},
-  }[method]
-  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-    train.validate_config(_config(data_dir, method, **bad), 8)
-
-
-def test_mt_dao_needs_its_optimizer(data_dir):
-  config = _config(data_dir, 'mt_dao', **{'optimizer.name': 'adamw'})
-  with pytest.raises(ValueError, match='optimizer.name'):
-    train.validate_config(config, 8)
-
-
-def test_fixed_plan_methods_refuse_a_sync_schedule(data_dir):
-  config = _config(data_dir, 'noloco', **{'outer.sync_schedule': 'qsr',
-                                          'outer.sync_schedule_kwargs': {
-                                              'alpha': 0.01}})
-  with pytest.raises(ValueError, match='outer.sync_schedule'):
-    train.validate_config(config, 8)
-
-
-def test_resumed_plan_run_equals_uninterrupted(data_dir, tmp_path):
-  config = _config(data_dir, 'streaming_diloco', checkpoint_every=2)
-  full = train.train_and_evaluate(config, tmp_path / 'full')
+  frags = outer.fragment_bytes(params, outer.fragment_ids(params, 2))
+  assert summary['peak_bytes_per_step'] / WORKERS == pytest.approx(
+      max(frags), rel=0.02)
+  assert summary['peak_bytes_per_step'] < 0.75 * 4 * exp.model.num_params \
+      * WORKERS
+  # A preempted and resumed run ends where the uninterrupted one did,
+  # with the bytes and syncs replayed from the plan.
   config.halt_after_steps = 5  # last checkpoint at step 4
   part = train.train_and_evaluate(config, tmp_path / 'resumed')
   assert not part['finished']
   config.halt_after_steps = 0
   resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
-  for a, b in zip(jax.tree.leaves(full['state']),
+  for a, b in zip(jax.tree.leaves(summary['state']),
                   jax.tree.leaves(resumed['state'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for key in ('final_eval_loss', 'cross_worker_bytes', 'syncs'):
-    assert full[key] == resumed[key], key
+    assert summary[key] == resumed[key], key
 
 
-def test_stragglers_slow_synchronous_methods_only(data_dir):
-  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import simulated_time  # pylint: disable=g-import-not-at-top
-  sync = trainer_lib.get_experiment(_config(
-      data_dir, 'eager_diloco', **{'outer.method': 'diloco'}))
-  asynchronous = trainer_lib.get_experiment(_config(data_dir,
-                                                    'async_local_sgd'))
+def _noloco_checks(exp, config, summary, tmp_path):
+  del summary, tmp_path
+  for phase in exp.plan.phases(config.num_steps):
+    if not exp.plan.is_sync(phase):
+      continue
+    kinds = {kind for kind, _ in exp.programs.steps.transfers[phase]}
+    assert kinds == {'collective-permute'}, kinds
+    per_worker = exp.programs.bytes_per_step[phase] / WORKERS
+    # phi and Delta, fp32, spread over the worker's devices.
+    assert per_worker == pytest.approx(8 * exp.model.num_params, rel=0.02)
+
+
+def _async_checks(exp, config, summary, tmp_path):
+  del config, summary, tmp_path
+  # A synchronous method waits for the slow worker; this one does not.
   link = parallel.Link(100.0)
-  for exp, factor in ((sync, 2.0), (asynchronous, 1.0)):
-    even = simulated_time.simulate_run(exp, link, step_time_s=1.0,
-                                       speeds=(1.0,) * WORKERS)
-    slow = simulated_time.simulate_run(exp, link, step_time_s=1.0,
-                                       speeds=(1.0, 1.0, 1.0, 0.5))
-    assert slow.compute_s == pytest.approx(factor * even.compute_s)
-    assert slow.ideal_s == even.ideal_s == exp.config.num_steps
+  even = simulated_time.simulate_run(exp, link, step_time_s=1.0,
+                                     speeds=(1.0,) * WORKERS)
+  slow = simulated_time.simulate_run(exp, link, step_time_s=1.0)
+  assert slow.compute_s == pytest.approx(even.compute_s)
+  sync_method = methods_lib.get_method('streaming_diloco')
+  assert sync_method.waits_for_stragglers
+  assert not exp.method.waits_for_stragglers
 
 
-@pytest.mark.parametrize('field, value', [
-    ('wallclock.worker_speeds', (1.0, 0.5)),  # 2 speeds for 4 workers
-    ('wallclock.worker_speeds', (0.5, 0.5, 0.5, 0.5)),  # no fastest at 1
-    ('wallclock.step_time_s', 0.0),
-    ('wallclock.bandwidths_gbps', (1.0, -2.0)),
+_EXTRA_CHECKS = {'streaming_diloco': _streaming_checks,
+                 'noloco': _noloco_checks,
+                 'async_local_sgd': _async_checks}
+
+
+@pytest.mark.parametrize('method', TRAINED)
+def test_method_trains_and_its_inner_steps_move_nothing(data_dir, tmp_path,
+                                                        method):
+  config = _config(data_dir, method)
+  summary = train.train_and_evaluate(config, tmp_path / method)
+  exp = trainer_lib.get_experiment(config)
+  _check_run(summary, exp, config, method)
+  if method in _EXTRA_CHECKS:
+    _EXTRA_CHECKS[method](exp, config, summary, tmp_path)
+
+
+def test_stragglers_stretch_a_synchronous_run():
+  comm = [0.0] * 8
+  even = parallel.simulate_wallclock(comm, step_time_s=1.0)
+  slow = parallel.simulate_wallclock(comm, step_time_s=1.0, slowdown=2.0)
+  assert slow.total_s == pytest.approx(2 * even.total_s)
+
+
+@pytest.mark.parametrize('method, bad, field', [
+    ('streaming_diloco', {'outer.streaming.num_fragments': 3},  # 4 % 3
+     'outer.streaming'),
+    ('noloco', {'outer.noloco.group_size': 3}, 'outer.noloco'),  # 4 % 3
+    ('desloc', {'outer.desloc.mu_sync_every': -2}, 'outer.desloc'),
+    ('mt_dao', {'optimizer.name': 'adamw'}, 'optimizer.name'),
+    ('noloco', {'outer.sync_schedule': 'qsr',
+                'outer.sync_schedule_kwargs': {'alpha': 0.01}},
+     'outer.sync_schedule'),
+    ('noloco', {'wallclock.worker_speeds': (1.0, 0.5)},  # 2 for 4 workers
+     'wallclock.worker_speeds'),
+    ('noloco', {'wallclock.worker_speeds': (0.5,) * 4},  # no fastest at 1
+     'wallclock.worker_speeds'),
+    ('noloco', {'wallclock.step_time_s': 0.0}, 'wallclock.step_time_s'),
+    ('noloco', {'wallclock.bandwidths_gbps': (1.0, -2.0)},
+     'wallclock.bandwidths_gbps'),
 ])
-def test_bad_wallclock_fields_are_named(data_dir, field, value):
-  config = _config(data_dir, 'noloco', **{field: value})
+def test_bad_fields_are_named(data_dir, method, bad, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-    train.validate_config(config, 8)
+    train.validate_config(_config(data_dir, method, **bad), 8)
