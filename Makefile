@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml tools/find_python.sh
 demo: setup
 	$(PY) -m experiments.train --config=configs/diloco_lm.py --workdir=$(WORKDIR)
 
+# Two pytest processes (pytest-xdist): the suite is mostly XLA compiles,
+# which run one per process. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 clean:
 	rm -rf $(VENV) workdirs
