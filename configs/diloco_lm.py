@@ -121,7 +121,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.noloco.group_size = 2  # Workers per group.
   c.outer.noloco.seed = 0  # Seed of the pairings (shared by all workers).
   # DeMo ('demo'): every step, top-k DCT components of momentum, sign step.
-  # Replaces the inner optimizer; its learning rate is the inner schedule.
+  # Replaces the inner optimizer (optimizer.name, grad_clip_norm and spikes
+  # do not apply); its learning rate is the inner schedule x lr_scale.
   c.outer.demo = ml_collections.ConfigDict()
   c.outer.demo.beta = 0.999  # Momentum decay.
   c.outer.demo.topk = 32  # Coefficients kept per chunk x chunk block.
