@@ -27,6 +27,7 @@ Writes ``results.md``, ``results.json`` and ``loss_vs_time.png`` to
 """
 
 import copy
+import json
 import math
 import os
 
@@ -49,6 +50,12 @@ _PROJECTED_PARAMS = flags.DEFINE_float(
     'projected_params', 1e9, 'Model size the bytes are projected to.')
 _PROJECTED_STEP = flags.DEFINE_float(
     'projected_step_time', 1.0, 'Step time (s) of the projected model.')
+_REUSE = flags.DEFINE_bool(
+    'reuse_finished', False,
+    'Read the summary of a run dir that already holds a finished run of the '
+    'same method and length instead of training (e.g. after adding runs or '
+    'config fields that do not change the old runs); its bytes and loss are '
+    'those it recorded.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
@@ -104,6 +111,23 @@ def _clock(exp, gbps, *, step_time, model_params=0, speeds=None):
       model_params=model_params, speeds=speeds)
 
 
+def _finished(run_dir, config):
+  """The summary of a finished run of ``config``'s method and length in
+  ``run_dir``, or None."""
+  path = os.path.join(run_dir, 'summary.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  if (not summary.get('finished') or summary.get('step') != config.num_steps
+      or summary.get('method') != config.outer.method):
+    return None
+  summary['curve'] = _runs.curve(run_dir)
+  print(f'{run_dir}: reused (final eval loss '
+        f'{summary["final_eval_loss"]:.4f})', flush=True)
+  return summary
+
+
 def _fmt_time(seconds):
   if seconds >= 3600:
     return f'{seconds / 3600:.2f} h'
@@ -154,7 +178,10 @@ def main(argv):
   rows = []
   for name in names:
     label, c = _config(base, name, h, straggler)
-    summary = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
+    run_dir = os.path.join(_WORKDIR.value, name)
+    summary = _finished(run_dir, c) if _REUSE.value else None
+    if summary is None:
+      summary = _runs.run(c, run_dir, label)
     exp = train.get_experiment(c)
     row = {'name': name, 'label': label,
            'final_eval_loss': summary['final_eval_loss'],
