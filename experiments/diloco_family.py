@@ -136,23 +136,34 @@ def _fmt_time(seconds):
   return f'{seconds:.1f} s'
 
 
-def _plot(rows, path):
+def _plot(rows, path, ylim=(1.6, 2.6)):
+  """Loss against total bytes and against simulated time; runs above the
+  y-range are listed in the title."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+  above = [f'{r["name"]} {r["final_eval_loss"]:.2f}' for r in rows
+           if r['final_eval_loss'] > ylim[1]]
   for ax, key, title in (
       (axes[0], 'cross_worker_bytes', 'total cross-worker bytes'),
-      (axes[1], 'projected_1gbps_s', 'simulated time at 1 Gbit/s '
-       '(projected model)')):
+      (axes[1], 'projected_1gbps_s', 'simulated seconds at 1 Gbit/s '
+       '(bytes projected to the larger model)')):
     for r in rows:
+      if r['final_eval_loss'] > ylim[1]:
+        continue
       ax.scatter(r[key], r['final_eval_loss'])
-      ax.annotate(r['label'], (r[key], r['final_eval_loss']),
-                  textcoords='offset points', xytext=(4, 3), fontsize=7)
+      name = r['name'] + (' (slow worker)' if 'straggler' in r['label']
+                          and r['name'] == 'diloco' else '')
+      ax.annotate(name, (r[key], r['final_eval_loss']),
+                  textcoords='offset points', xytext=(4, 3), fontsize=8)
     ax.set_xscale('log')
+    ax.set_ylim(*ylim)
     ax.set_xlabel(title)
     ax.set_ylabel('final eval loss')
     ax.grid(True, alpha=0.3)
+  if above:
+    fig.suptitle('above the plotted range: ' + ', '.join(above), fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
