@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from loc_opt import compression
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 from loc_opt.outer.server_momentum import delayed_nesterov
 
@@ -354,10 +355,7 @@ def async_local_sgd(
   always_active = all(r == 1 for r in ratios)
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params,
-    )
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     counters = jnp.zeros([num_workers], jnp.int32)
     return AsyncLocalSgdState(

@@ -32,6 +32,7 @@ import optax
 
 from loc_opt import compression
 from loc_opt.inner import multi_timescale
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 ArrayLike = jax.typing.ArrayLike
@@ -250,9 +251,7 @@ def desloc(
   def init_fn(params):
     inner_state = inner.init(params)
     _check_fields(inner_state, fields)
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return DeslocState(
         inner_state=inner_state,

@@ -69,6 +69,15 @@ def _check_sync_every(sync_every: SyncEvery) -> None:
     raise ValueError(f'sync_every must be a positive int, got {int(value)}')
 
 
+def init_anchor(params: optax.Params, anchor_dtype: Any = jnp.float32
+                ) -> optax.Params:
+  """The outer parameters at initialisation: a copy of ``params`` in at
+  least ``anchor_dtype`` (``promote_types(param dtype, anchor_dtype)``)."""
+  return jax.tree.map(
+      lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
+      params)
+
+
 def sync_period(sync_every: SyncEvery, count: jax.Array) -> jax.Array:
   """The sync period H in force at inner step ``count`` (int32)."""
   if callable(sync_every):
@@ -174,10 +183,7 @@ def diloco(
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params,
-    )
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return DilocoState(
         inner_state=inner.init(params),

@@ -26,6 +26,7 @@ from loc_opt import compression
 # `loc_opt.outer.diloco` is shadowed by the function of that name.
 from loc_opt.outer.diloco import nesterov_outer
 from loc_opt.outer.diloco import pseudo_gradient_bytes
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 
@@ -143,9 +144,7 @@ def eager_diloco(
   varying = comm.varying if comm is not None else (lambda tree: tree)
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return EagerDilocoState(
         inner_state=inner.init(params),

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from loc_opt import compression
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 Groups = tuple[tuple[int, ...], ...]
@@ -288,10 +289,7 @@ def noloco(
     return received
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params,
-    )
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return NolocoState(
         inner_state=inner.init(params),

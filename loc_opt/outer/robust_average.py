@@ -37,6 +37,7 @@ from loc_opt import compression
 # `loc_opt.outer.diloco` is shadowed by the function of that name.
 from loc_opt.outer.diloco import nesterov_outer
 from loc_opt.outer.diloco import pseudo_gradient_bytes
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 # A detector that has seen (nearly) equal norms has a (nearly) zero standard
@@ -211,9 +212,7 @@ def edit_diloco(
   varying = comm.varying if comm is not None else (lambda tree: tree)
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return EditState(
         inner_state=inner.init(params),
@@ -294,17 +293,15 @@ def edit_diloco(
                       state.weight, state.num_dropped,
                       jnp.zeros([], jnp.int32)))
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_every
-      out = jax.lax.cond(due, outer_step, inner_only, None)
-    elif sync is True:
-      out = outer_step(None)
-    elif sync is False:
-      out = inner_only(None)
-    else:
+    if sync not in (None, True, False):
       raise ValueError(f'sync must be None, True or False, got {sync!r}')
+    out = plan_lib.branch(
+        sync, lambda: state.steps_since_sync + 1 >= sync_every,
+        lambda: outer_step(None), lambda: inner_only(None))
     (new_updates, anchor, outer_state, mean, var, num_norms, weight, dropped,
      synced) = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = EditState(
         inner_state=inner_state,
         anchor=anchor,
@@ -315,11 +312,9 @@ def edit_diloco(
         weight=weight,
         num_dropped=dropped,
         total_dropped=state.total_dropped + synced * dropped,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
     )
     return new_updates, new_state
 

@@ -28,6 +28,7 @@ from loc_opt import compression
 from loc_opt.compression import dct
 from loc_opt.compression import quant
 from loc_opt.outer import decoupled
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 UINT12 = decoupled.UINT12
@@ -193,9 +194,7 @@ def sparseloco(
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return SparselocoState(
         inner_state=inner.init(params),

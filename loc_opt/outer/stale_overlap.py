@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from loc_opt import compression
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 
@@ -166,9 +167,7 @@ def co2(
   varying = comm.varying if comm is not None else (lambda tree: tree)
 
   def init_fn(params):
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return Co2State(
         inner_state=inner.init(params),
@@ -212,26 +211,22 @@ def co2(
       return varying((inner_updates, state.anchor, state.outer_momentum,
                       state.stale_mean, jnp.zeros([], jnp.int32)))
 
-    if sync is None:
-      due = state.steps_since_sync + 1 >= sync_every
-      out = jax.lax.cond(due, outer_step, inner_only, None)
-    elif sync is True:
-      out = outer_step(None)
-    elif sync is False:
-      out = inner_only(None)
-    else:
+    if sync not in (None, True, False):
       raise ValueError(f'sync must be None, True or False, got {sync!r}')
+    out = plan_lib.branch(
+        sync, lambda: state.steps_since_sync + 1 >= sync_every,
+        lambda: outer_step(None), lambda: inner_only(None))
     new_updates, anchor, mom, stale_mean, synced = out
+    count, since, num_syncs = plan_lib.advance(
+        state.count, state.steps_since_sync, state.num_syncs, synced)
     new_state = Co2State(
         inner_state=inner_state,
         anchor=anchor,
         outer_momentum=mom,
         stale_mean=stale_mean,
-        count=optax.safe_increment(state.count),
-        steps_since_sync=jnp.where(
-            synced > 0, 0, optax.safe_increment(state.steps_since_sync)
-        ).astype(jnp.int32),
-        num_syncs=state.num_syncs + synced,
+        count=count,
+        steps_since_sync=since,
+        num_syncs=num_syncs,
     )
     return new_updates, new_state
 

@@ -31,6 +31,7 @@ from loc_opt import compression
 # `loc_opt.outer.diloco` is shadowed by the function of that name.
 from loc_opt.outer.diloco import nesterov_outer
 from loc_opt.outer.diloco import pseudo_gradient_bytes
+from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
 FragmentFn = Callable[[Any, Any], int]
@@ -380,9 +381,7 @@ def streaming_diloco(
 
   def init_fn(params):
     groups = split(params)
-    anchor = jax.tree.map(
-        lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-        params)
+    anchor = init_anchor(params, anchor_dtype)
     a_leaves = jax.tree.leaves(anchor)
     parts = [[a_leaves[i] for i in g] for g in groups]
     zeros = jnp.zeros([p_count], jnp.int32)
