@@ -62,13 +62,6 @@ class EagerDilocoState(NamedTuple):
   codec_state: Any = ()
 
 
-def _check_sync_every(sync_every: Any) -> int:
-  if (isinstance(sync_every, bool) or not isinstance(sync_every, int)
-      or sync_every <= 0):
-    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
-  return sync_every
-
-
 def eager_diloco(
     inner: optax.GradientTransformation,
     *,
@@ -134,7 +127,7 @@ def eager_diloco(
     Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and
     Computation in DiLoCo*, 2025.
   """
-  _check_sync_every(sync_every)
+  plan_lib.check_period(sync_every)
   if codec is not None and axis_name is None:
     raise ValueError('eager_diloco with a codec needs an axis_name')
   inner = optax.with_extra_args_support(inner)
@@ -228,7 +221,7 @@ def eager_diloco(
 def eager_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`eager_diloco`: ``True`` on counts ``H - 1,
   2H - 1, ...``, else ``False``."""
-  return plan_lib.Plan(plan_lib.every(_check_sync_every(sync_every)))
+  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
 
 
 def eager_eval_params(state: EagerDilocoState, params: optax.Params) -> Any:

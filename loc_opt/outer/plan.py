@@ -82,6 +82,14 @@ def every(period: int, offset: int = 0) -> Callable[[int], bool]:
   return due
 
 
+def check_period(value: Any, name: str = 'sync_every') -> int:
+  """``value`` if it is a positive Python int, else a ``ValueError`` naming
+  ``name``."""
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f'{name} must be a positive int, got {value!r}')
+  return value
+
+
 def branch(sync: Any, due: Callable[[], jax.Array],
            on_sync: Callable[[], Any], on_inner: Callable[[], Any]) -> Any:
   """Runs the sync or the inner branch of a two-phase step.

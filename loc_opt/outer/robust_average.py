@@ -81,13 +81,6 @@ class EditState(NamedTuple):
   num_syncs: jax.Array
 
 
-def _check_sync_every(sync_every: Any) -> int:
-  if (isinstance(sync_every, bool) or not isinstance(sync_every, int)
-      or sync_every <= 0):
-    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
-  return sync_every
-
-
 def _check_range(name: str, value: Any,
                  ok: Callable[[float], bool]) -> None:
   """Raises if a concrete scalar ``value`` fails ``ok``; traced values
@@ -196,7 +189,7 @@ def edit_diloco(
     Cheng et al., *EDiT: A Local-SGD-Based Efficient Distributed Training
     Method for Large Language Models*, ICLR 2025.
   """
-  _check_sync_every(sync_every)
+  plan_lib.check_period(sync_every)
   _check_range('ewma', ewma, lambda v: 0 < v <= 1)
   if (isinstance(warmup_syncs, bool) or not isinstance(warmup_syncs, int)
       or warmup_syncs <= 0):
@@ -324,7 +317,7 @@ def edit_diloco(
 def edit_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`edit_diloco`: ``True`` on counts ``H - 1,
   2H - 1, ...``, else ``False`` (DiLoCo's phases)."""
-  return plan_lib.Plan(plan_lib.every(_check_sync_every(sync_every)))
+  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
 
 
 def edit_eval_params(state: EditState, params: optax.Params) -> Any:

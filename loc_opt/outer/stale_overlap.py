@@ -57,13 +57,6 @@ class Co2State(NamedTuple):
   num_syncs: jax.Array
 
 
-def _check_sync_every(sync_every: Any) -> int:
-  if (isinstance(sync_every, bool) or not isinstance(sync_every, int)
-      or sync_every <= 0):
-    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
-  return sync_every
-
-
 def _concrete(value: Any) -> float | None:
   """The float value of a concrete scalar; ``None`` for a traced one."""
   if isinstance(value, jax.core.Tracer):
@@ -152,7 +145,7 @@ def co2(
     Sun et al., *CO2: Efficient Distributed Training with Full
     Communication-Computation Overlap*, ICLR 2024.
   """
-  _check_sync_every(sync_every)
+  plan_lib.check_period(sync_every)
   checks = (('outer_lr', outer_lr, lambda v: v > 0),
             ('momentum', momentum, lambda v: 0 <= v < 1),
             ('staleness_penalty', staleness_penalty, lambda v: v > 0))
@@ -237,7 +230,7 @@ def co2_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`co2`: ``True`` (launch this round's
   average, apply the previous one) on counts ``H - 1, 2H - 1, ...``, else
   ``False``."""
-  return plan_lib.Plan(plan_lib.every(_check_sync_every(sync_every)))
+  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
 
 
 def co2_eval_params(state: Co2State, params: optax.Params) -> Any:
