@@ -5,14 +5,19 @@ optimizer from an ``ml_collections.ConfigDict``, runs the steps, evaluates,
 checkpoints and writes metrics. The absl launcher, notebooks and tests all
 call it.
 
-Local-update methods (``diloco``, ``local_sgd``) keep a leading worker axis on
-every array of the state, sharded over the mesh's ``worker`` axis; their
-per-worker step runs under ``jax.shard_map`` manual over ``worker`` only, and
-the inner and the sync step are compiled as two programs so that the inner
-one provably has no cross-worker collective. Which one runs next is decided on
-the host from the sync-period schedule (``outer.sync_schedule``: constant,
-step or QSR), so a changing period recompiles nothing. ``data_parallel``
-keeps one replicated copy and all-reduces gradients every step.
+Local-update methods (``diloco``, ``local_sgd`` and the rest of the DiLoCo
+family in ``loc_opt.train.family``) keep a leading worker axis on every array
+of the state, sharded over the mesh's ``worker`` axis; their per-worker step
+runs under ``jax.shard_map`` manual over ``worker`` only. Each *phase* of a
+method (an inner step, a sync, a fragment's send, a peer-group exchange, a
+state sync; see ``loc_opt.outer.plan``) is compiled as its own program, so
+the inner one provably has no cross-worker collective and every program's
+bytes are read from its HLO. Which one runs next is decided on the host: from
+the sync-period schedule for DiLoCo and local SGD (``outer.sync_schedule``:
+constant, step or QSR, so a changing period recompiles nothing), from the
+method's plan for the others. ``data_parallel`` keeps one replicated copy and
+all-reduces gradients every step. The summary adds the simulated wall-clock
+of the run (``wallclock`` config section, ``loc_opt.train.simulated_time``).
 
 Evaluation uses each method's evaluation weights: the anchor under DiLoCo and
 local SGD, the schedule-free average for a schedule-free optimizer otherwise
