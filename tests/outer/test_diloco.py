@@ -74,6 +74,38 @@ def run_workers(tx, steps, m=M, runner=None):
   return params, state
 
 
+def run_planned(tx, plan, steps, m=M):
+  """As :func:`run_workers`, but each step runs the program of its phase
+  (``sync=plan(count)``); returns (stacked params, state, the programs)."""
+
+  def step(params, state, batch, sync):
+    grads = jax.grad(quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  programs = {s: jax.jit(parallel.vmap_workers(functools.partial(
+      step, sync=s))) for s in plan.phases(steps)}
+  params = stack(conf.example_params(), m)
+  state = jax.vmap(tx.init)(params)
+  for i in range(steps):
+    params, state = programs[plan(i)](params, state, worker_batches(i, m))
+  return params, state, programs
+
+
+def phase_report(tx, params, sync, mesh):
+  """Collectives of one compiled step of ``tx`` with phase ``sync`` on
+  ``mesh`` (stacked ``params``; the gradients are shaped like them)."""
+  state = jax.eval_shape(jax.vmap(tx.init), params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
+      params, state, params).compile()
+  return parallel.collective_bytes(compiled, mesh)
+
+
 def test_one_worker_plain_outer_equals_inner_alone():
   inner = optax.adam(1e-2)
   tx = loc_opt.diloco(inner, sync_every=3, outer=optax.sgd(1.0))

@@ -1,6 +1,5 @@
 """Tests of eager updates: M = 1 equivalence, hand-computed proxy, bytes."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,18 +90,8 @@ def test_plan_matches_cond_program():
   tx = eager.eager_diloco(optax.adam(1e-2), sync_every=3)
   plan = eager.eager_plan(3)
 
-  def step(params, state, batch, sync):
-    grads = jax.grad(td.quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  programs = {s: jax.jit(parallel.vmap_workers(functools.partial(
-      step, sync=s))) for s in plan.phases(9)}
+  params, state, programs = td.run_planned(tx, plan, 8)
   assert set(programs) == {False, True}
-  params = td.stack(conf.example_params())
-  state = jax.vmap(tx.init)(params)
-  for i in range(8):
-    params, state = programs[plan(i)](params, state, td.worker_batches(i))
   want, want_state = td.run_workers(tx, 8)
   conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
@@ -128,16 +117,9 @@ def test_hlo_bytes():
   mesh = parallel.make_worker_mesh(M, data=2)
   tx = eager.eager_diloco(optax.sgd(0.1), sync_every=3)
   params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-  state = jax.eval_shape(jax.vmap(tx.init), params)
 
   def report(sync):
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params, sync=sync)
-      return optax.apply_updates(params, updates), state
-
-    compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-        params, state, params).compile()
-    return parallel.collective_bytes(compiled, mesh)
+    return td.phase_report(tx, params, sync, mesh)
 
   theory = eager.eager_bytes(jax.tree.map(lambda x: x[0], params))
   assert theory == 4 * (512 + 16)

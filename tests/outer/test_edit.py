@@ -140,18 +140,8 @@ def test_plan_matches_cond_program():
                       temperature=0.01, clip_norm=0.05)
   plan = ra.edit_plan(3)
 
-  def step(params, state, batch, sync):
-    grads = jax.grad(td.quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  programs = {s: jax.jit(parallel.vmap_workers(functools.partial(
-      step, sync=s))) for s in plan.phases(9)}
+  params, state, programs = td.run_planned(tx, plan, 9)
   assert set(programs) == {False, True}
-  params = td.stack(conf.example_params())
-  state = jax.vmap(tx.init)(params)
-  for i in range(9):
-    params, state = programs[plan(i)](params, state, td.worker_batches(i))
   want, want_state = td.run_workers(tx, 9)
   conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
@@ -195,16 +185,9 @@ def test_hlo_bytes():
   mesh = parallel.make_worker_mesh(M, data=2)
   tx = ra.edit_diloco(optax.sgd(0.1), sync_every=3, clip_norm=1.0)
   params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-  state = jax.eval_shape(jax.vmap(tx.init), params)
 
   def report(sync):
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params, sync=sync)
-      return optax.apply_updates(params, updates), state
-
-    compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-        params, state, params).compile()
-    return parallel.collective_bytes(compiled, mesh)
+    return td.phase_report(tx, params, sync, mesh)
 
   theory = ra.edit_bytes(jax.tree.map(lambda x: x[0], params))
   assert theory == 4 * (512 + 16) + 8
