@@ -13,6 +13,7 @@ import loc_opt
 from loc_opt import parallel
 from loc_opt.outer import sparse_outer
 from tests import optax_conformance as conf
+from tests.outer import test_demo
 
 M = 4
 # A 16 x 8 weight (one 16 x 8 tile at tile 16) and a bias of 8.
@@ -28,21 +29,10 @@ def test_conformance(tmp_path):
   conf.check_all(make_sparseloco, tmp_path)
 
 
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def init_params():
-  keys = jax.random.split(jax.random.key(0), len(SHAPES))
-  return {k: jax.random.normal(key, s) for key, (k, s) in
-          zip(keys, sorted(SHAPES.items()))}
-
-
-def worker_grads(step, m=M):
-  key = jax.random.fold_in(jax.random.key(7), step)
-  keys = jax.random.split(key, len(SHAPES))
-  return {k: jax.random.normal(key, (m,) + s) for key, (k, s) in
-          zip(keys, sorted(SHAPES.items()))}
+# The same small model, parameters and per-worker gradients as DeMo's tests.
+stack = test_demo.stack
+init_params = test_demo.init_params
+worker_grads = test_demo.worker_grads
 
 
 @functools.lru_cache(maxsize=None)
