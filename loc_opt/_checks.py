@@ -1,0 +1,113 @@
+"""Argument checks shared by every module of loc_opt.
+
+One place for the checks that transforms, schedules and codecs run on their
+static arguments, so that the same mistake gets the same message everywhere.
+Each check returns the value it accepted (converted to a Python scalar where
+that is unambiguous) or raises a ``ValueError`` that names the argument.
+
+This module is at the bottom of the package: it imports only NumPy and JAX.
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _is_traced(value: Any) -> bool:
+  return isinstance(value, jax.core.Tracer)
+
+
+def positive_int(value: Any, name: str, *, arrays: bool = False) -> int:
+  """``value`` as a Python int if it is a positive integer.
+
+  Args:
+    value: the argument.
+    name: its name, for the message.
+    arrays: also accept a concrete 0-d integer array (e.g. a hyperparameter
+      that went through ``optax.inject_hyperparams``).
+
+  Raises:
+    ValueError: ``value`` is a bool, not an integer, or not positive.
+  """
+  if isinstance(value, bool) or _is_traced(value):
+    raise ValueError(f'{name} must be a positive int, got {value!r}')
+  if isinstance(value, int):
+    number = value
+  elif arrays:
+    array = np.asarray(value)
+    if array.ndim or not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(f'{name} must be a positive int, got {value!r}')
+    number = int(array)
+  else:
+    raise ValueError(f'{name} must be a positive int, got {value!r}')
+  if number <= 0:
+    raise ValueError(f'{name} must be a positive int, got {number}')
+  return number
+
+
+def nonnegative_int(value: Any, name: str) -> int:
+  """``value`` if it is a Python int ``>= 0``, else a ``ValueError``."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f'{name} must be a non-negative int, got {value!r}')
+  return value
+
+
+def positive_float(value: Any, name: str) -> float:
+  """``value`` as a float if it is finite and ``> 0``."""
+  number = _real(value, name)
+  if not number > 0:
+    raise ValueError(f'{name} must be positive, got {value!r}')
+  return number
+
+
+def nonnegative_float(value: Any, name: str) -> float:
+  """``value`` as a float if it is finite and ``>= 0``."""
+  number = _real(value, name)
+  if not number >= 0:
+    raise ValueError(f'{name} must be >= 0, got {value!r}')
+  return number
+
+
+def in_interval(value: Any, name: str, low: float, high: float, *,
+                closed: str = 'both') -> float:
+  """``value`` as a float if it lies in the interval from ``low`` to ``high``.
+
+  Args:
+    value: the argument.
+    name: its name, for the message.
+    low: the lower end.
+    high: the upper end.
+    closed: which ends belong to the interval: ``'both'``, ``'left'``,
+      ``'right'`` or ``'neither'``.
+  """
+  number = _real(value, name)
+  low_ok = number >= low if closed in ('both', 'left') else number > low
+  high_ok = number <= high if closed in ('both', 'right') else number < high
+  if not (low_ok and high_ok):
+    left = '[' if closed in ('both', 'left') else '('
+    right = ']' if closed in ('both', 'right') else ')'
+    raise ValueError(
+        f'{name} must be in {left}{low}, {high}{right}, got {value!r}')
+  return number
+
+
+def one_of(value: Any, name: str, choices: Any) -> Any:
+  """``value`` if it is one of ``choices``, else a ``ValueError`` listing
+  them."""
+  if value not in tuple(choices):
+    raise ValueError(
+        f'{name} must be one of {sorted(map(repr, choices))}, got {value!r}')
+  return value
+
+
+def _real(value: Any, name: str) -> float:
+  if isinstance(value, bool) or _is_traced(value):
+    raise ValueError(f'{name} must be a real number, got {value!r}')
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'{name} must be a real number, got {value!r}') from None
+  if not np.isfinite(number):
+    raise ValueError(f'{name} must be finite, got {value!r}')
+  return number
