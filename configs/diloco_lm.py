@@ -102,22 +102,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.compress_min_size = 0  # Smaller leaves are sent uncompressed.
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
 
-  # Per-method settings of the DiLoCo family (loc_opt.outer); each method
-  # also reads sync_every (H), learning_rate and momentum above where it has
+  # Per-method settings of the DiLoCo family (loc_opt.outer), one section
+  # named after each method (outer.<method>); fields that a library function
+  # also takes have its default here (tests/train/test_registry.py checks
+  # it). Each method also reads sync_every (H), learning_rate and momentum above where it has
   # an outer optimizer, and outer.codec where it sends pseudo-gradients.
   # Streaming DiLoCo ('streaming_diloco'): fragments synced in turn.
-  c.outer.streaming = ml_collections.ConfigDict()
-  c.outer.streaming.num_fragments = 3  # P (embeddings/head + block groups).
-  c.outer.streaming.pattern = 'strided'  # Blocks to fragments: or sequential.
-  c.outer.streaming.overlap = 1  # tau: inner steps a fragment's sync overlaps.
-  c.outer.streaming.alpha = 0.5  # Keep this much of the local fragment.
+  c.outer.streaming_diloco = ml_collections.ConfigDict()
+  c.outer.streaming_diloco.num_fragments = 3  # P (embeddings/head + block groups).
+  c.outer.streaming_diloco.pattern = 'strided'  # Blocks to fragments: or sequential.
+  c.outer.streaming_diloco.overlap = 1  # tau: inner steps a fragment's sync overlaps.
+  # Weight of the local fragment in the blend (None: 0.5 with overlap, else 0).
+  c.outer.streaming_diloco.alpha = ml_collections.config_dict.placeholder(float)
   # Eager updates ('eager_diloco'): the average lands one round late.
-  c.outer.eager = ml_collections.ConfigDict()
-  c.outer.eager.naive = False  # True: the delayed average alone (ablation).
+  c.outer.eager_diloco = ml_collections.ConfigDict()
+  c.outer.eager_diloco.naive = False  # True: the delayed average alone (ablation).
   # NoLoCo ('noloco'): random peer groups, no all-reduce.
   c.outer.noloco = ml_collections.ConfigDict()
   c.outer.noloco.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).
-  c.outer.noloco.consensus = -1.0  # gamma; < 0: equal to learning_rate.
+  # gamma (None: equal to learning_rate).
+  c.outer.noloco.consensus = ml_collections.config_dict.placeholder(float)
   c.outer.noloco.group_size = 2  # Workers per group.
   c.outer.noloco.seed = 0  # Seed of the pairings (shared by all workers).
   # DeMo ('demo'): every step, top-k DCT components of momentum, sign step.
@@ -149,18 +153,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Asynchronous local SGD ('async_local_sgd'), simulated: worker speeds are
   # wallclock.worker_speeds; server: Delayed Nesterov (learning_rate,
   # momentum above).
-  c.outer.async_sgd = ml_collections.ConfigDict()
-  c.outer.async_sgd.dylu = True  # Slower workers take fewer inner steps.
-  c.outer.async_sgd.buffer_size = 0  # DN's N (0 = number of workers).
-  c.outer.async_sgd.activation = 0.0  # DN's c, in [0, 1/N].
+  c.outer.async_local_sgd = ml_collections.ConfigDict()
+  c.outer.async_local_sgd.dylu = True  # Slower workers take fewer inner steps.
+  c.outer.async_local_sgd.buffer_size = 0  # DN's N (0 = number of workers).
+  c.outer.async_local_sgd.activation = 0.0  # DN's c, in [0, 1/N].
   # EDiT ('edit_diloco'): DiLoCo with a pseudo-gradient penalty (outer step:
   # learning_rate, momentum above).
-  c.outer.edit = ml_collections.ConfigDict()
-  c.outer.edit.ewma = 0.02  # EWMA rate of each worker's norm statistics.
-  c.outer.edit.warmup_syncs = 120  # Syncs before anomalies are dropped.
-  c.outer.edit.z_threshold = 3.0  # Norm z-score that drops a worker.
-  c.outer.edit.temperature = 1.0  # Softmax temperature of the weights.
-  c.outer.edit.clip_norm = 0.0  # Clip of the averaged delta (0 = none).
+  c.outer.edit_diloco = ml_collections.ConfigDict()
+  c.outer.edit_diloco.ewma = 0.02  # EWMA rate of each worker's norm statistics.
+  c.outer.edit_diloco.warmup_syncs = 120  # Syncs before anomalies are dropped.
+  c.outer.edit_diloco.z_threshold = 3.0  # Norm z-score that drops a worker.
+  c.outer.edit_diloco.temperature = 1.0  # Softmax temperature of the weights.
+  # Clip of the averaged delta (None: no clip).
+  c.outer.edit_diloco.clip_norm = ml_collections.config_dict.placeholder(float)
   # CO2 ('co2'): local SGD whose outer step uses the previous round's
   # average, so the all-reduce overlaps a whole round.
   c.outer.co2 = ml_collections.ConfigDict()

@@ -44,7 +44,7 @@ def main(argv):
   jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import trainer  # pylint: disable=g-import-not-at-top
+  from loc_opt import train  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   configs = {}
@@ -52,7 +52,7 @@ def main(argv):
     c = ml_collections.ConfigDict(config.to_dict())
     c.outer.method = method
     configs[method] = c
-  exps = {m: trainer.build_experiment(c) for m, c in configs.items()}
+  exps = {m: train.build_experiment(c) for m, c in configs.items()}
   rng = np.random.default_rng(0)
   m, b, t = config.mesh.workers, config.batch_size, config.data.seq_len
   tokens = rng.integers(0, 256, (m, b // m, t + 1), dtype=np.int32)

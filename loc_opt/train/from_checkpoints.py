@@ -43,7 +43,9 @@ import optax
 
 from loc_opt import schedules
 from loc_opt.train import checkpoint as ckpt_lib
-from loc_opt.train import trainer as trainer_lib
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import experiment as exp_lib
+from loc_opt.train import loop
 
 
 def branch_and_evaluate(
@@ -90,7 +92,7 @@ def branch_and_evaluate(
   config = ml_collections.ConfigDict(config.to_dict())
   config.init_from = ml_collections.ConfigDict(
       {'workdir': os.fspath(from_workdir), 'step': from_step})
-  return trainer_lib.train_and_evaluate(config, workdir)
+  return loop.train_and_evaluate(config, workdir)
 
 
 def _check_merge(steps: Sequence[int], coefficients: Any):
@@ -160,8 +162,8 @@ def merge_and_evaluate(
     ...                    loc_opt.schedules.wsm_coefficients(4, '1-sqrt'))
   """
   steps, c = _check_merge(steps, coefficients)
-  exp = trainer_lib.get_experiment(config)
-  config_json = trainer_lib.config_to_json(config)
+  exp = exp_lib.get_experiment(config)
+  config_json = cfg_lib.config_to_json(config)
   ckpt = ckpt_lib.Checkpointer(workdir, every=0, read_only=True)
   try:
     missing = [s for s in steps if s not in ckpt.all_steps()]
@@ -180,7 +182,7 @@ def merge_and_evaluate(
     ckpt.close()
   merged = jax.device_put(optax.tree.cast_like(acc, last),
                           exp.shardings['params'])
-  data = trainer_lib.load_data(config)
+  data = exp_lib.load_data(config)
   loss = exp.evaluate_params(merged, data.eval_batches(config.eval_batches))
   return {'eval_loss': loss, 'steps': steps, 'coefficients': c.tolist(),
           'params': merged}

@@ -57,12 +57,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def run_phases(exp: Any, num_steps: int | None = None) -> list[Any]:
   """The phase of every step of a run of ``exp`` from step 0."""
   num_steps = exp.config.num_steps if num_steps is None else num_steps
-  phases, since = [], 0
-  for count in range(num_steps):
-    phase = exp.phase(count, since)
-    phases.append(phase)
-    since = 0 if exp.is_sync(phase) else since + 1
-  return phases
+  return list(exp.plan.walk(0, num_steps))
 
 
 def simulate_run(exp: Any, link: parallel.Link, *,
@@ -98,7 +93,7 @@ def simulate_run(exp: Any, link: parallel.Link, *,
   slowdown = (1.0 / min(speeds)) if method.waits_for_stragglers else 1.0
   return parallel.simulate_wallclock(
       comm, step_time_s=step_time_s,
-      overlap_steps=method.overlap_steps(config.outer), slowdown=slowdown)
+      overlap_steps=method.overlap_steps(config), slowdown=slowdown)
 
 
 def wallclock_summary(exp: Any) -> dict[str, Any]:

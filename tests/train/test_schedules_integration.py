@@ -11,16 +11,12 @@ import pytest
 import loc_opt
 from loc_opt import schedules
 from loc_opt import train
-from loc_opt.train import methods as methods_lib
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import experiment as exp_lib
+from loc_opt.train import method as method_lib
 from loc_opt.train import spikes as spikes_lib
-from loc_opt.train import trainer as trainer_lib
-from tests.train.test_trainer import leaves
-from tests.train.test_trainer import tiny_config
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('tfds'))
+from tests.train._helpers import leaves
+from tests.train._helpers import tiny_config
 
 
 def dp_config(data_dir, **overrides):
@@ -106,11 +102,11 @@ def test_sync_plan_matches_next_step_syncs():
   lr = optax.cosine_decay_schedule(0.01, 50, alpha=0.05)
   for h in (schedules.qsr_sync_schedule(2, 0.02, lr),
             schedules.step_sync_schedule({0: 3, 20: 7}), 5):
-    plan = methods_lib.SyncPlan(h, 50)
+    plan = loc_opt.outer.plan.period_plan(h, 50)
     since = 0
     for t in range(50):
       want = loc_opt.outer.next_step_syncs(h, t, since)
-      assert plan.syncs(t, since) == want, (h, t)
+      assert plan(t, since) == want, (h, t)
       since = 0 if want else since + 1
 
 
@@ -118,13 +114,12 @@ def test_sync_schedules_from_config(data_dir):
   config = tiny_config(data_dir, **{
       'outer.sync_schedule': 'step', 'outer.sync_schedule_kwargs': {
           'boundaries_and_periods': {'0': 2, '6': 5}}})
-  lr = trainer_lib._lr_schedule(config)  # pylint: disable=protected-access
-  plan = methods_lib.SyncPlan(methods_lib.make_sync_every(config, lr), 12)
-  assert plan.periods.tolist() == [2] * 6 + [5] * 6
+  plan = loc_opt.outer.plan.period_plan(cfg_lib.make_sync_every(config), 12)
+  assert plan.period_fn.table.tolist() == [2] * 6 + [5] * 6
   config.outer.sync_schedule = 'constant'  # H = outer.sync_every = 4
   config.outer.sync_schedule_kwargs = {}
-  plan = methods_lib.SyncPlan(methods_lib.make_sync_every(config, lr), 12)
-  assert plan.periods.tolist() == [4] * 12
+  plan = loc_opt.outer.plan.period_plan(cfg_lib.make_sync_every(config), 12)
+  assert plan.period_fn.table.tolist() == [4] * 12
 
 
 # ---------------------------------------------------------- schedule-free
@@ -144,7 +139,7 @@ def test_schedule_free_evaluates_x_and_resumes_bit_exactly(main_run,
     np.testing.assert_array_equal(a, b)
   assert full['final_eval_loss'] == resumed['final_eval_loss']
 
-  exp = trainer_lib.get_experiment(config)
+  exp = exp_lib.get_experiment(config)
   state = full['state']
   x = exp.eval_params(state)
   want = schedules.schedule_free_eval_params(state['opt_state'],
@@ -152,7 +147,7 @@ def test_schedule_free_evaluates_x_and_resumes_bit_exactly(main_run,
   for a, b, p in zip(leaves(x), leaves(want), leaves(state['params'])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     assert np.max(np.abs(a - p)) > 1e-4
-  batches = trainer_lib.load_data(config).eval_batches(config.eval_batches)
+  batches = exp_lib.load_data(config).eval_batches(config.eval_batches)
   at_x = exp.evaluate_params(x, batches)
   at_y = exp.evaluate_params(state['params'], batches)
   np.testing.assert_allclose(full['final_eval_loss'], at_x, rtol=1e-6)
@@ -162,7 +157,7 @@ def test_schedule_free_evaluates_x_and_resumes_bit_exactly(main_run,
 def test_diloco_evaluates_the_anchor_even_when_schedule_free():
   inner = schedules.schedule_free_adamw(1e-2)
   params = {'w': jnp.arange(4.0)}
-  dp = methods_lib.eval_params_fn(train.METHODS['data_parallel'],
+  dp = method_lib.eval_params_fn(train.METHODS['data_parallel'],
                                   jax.eval_shape(inner.init, params))
   state = inner.init(params)
   grads = {'w': jnp.ones(4)}
@@ -175,7 +170,7 @@ def test_diloco_evaluates_the_anchor_even_when_schedule_free():
   assert not np.allclose(dp(state, params)['w'], params['w'])
 
   tx = loc_opt.diloco(inner, sync_every=2, axis_name=None)
-  fn = methods_lib.eval_params_fn(train.METHODS['diloco'],
+  fn = method_lib.eval_params_fn(train.METHODS['diloco'],
                                   jax.eval_shape(tx.init, params))
   dstate = tx.init(params)
   for _ in range(3):
@@ -199,7 +194,7 @@ def test_branch_equals_uninterrupted_run_with_the_branch_schedule(
       'optimizer.schedule': 'wsd',
       'optimizer.schedule_kwargs': {'warmup_steps': 2, 'decay_steps': 4}})
   np.testing.assert_array_equal(
-      trainer_lib.get_experiment(config).lr_schedule(jnp.arange(10)),
+      exp_lib.get_experiment(config).lr_schedule(jnp.arange(10)),
       sched(jnp.arange(10)))
   single = train.train_and_evaluate(config, tmp_path / 'single')
   branch = train.branch_and_evaluate(config, tmp_path / 'branch',
@@ -245,7 +240,7 @@ def test_wsm_merge_of_last_checkpoint_equals_its_eval(main_run):
   np.testing.assert_allclose(last['eval_loss'], summary['final_eval_loss'],
                              rtol=1e-6)
   # merged from the evaluation weights (the schedule-free x), not from y
-  x = trainer_lib.get_experiment(config).eval_params(summary['state'])
+  x = exp_lib.get_experiment(config).eval_params(summary['state'])
   for a, b in zip(leaves(last['params']), leaves(x)):
     np.testing.assert_array_equal(a, b)
   merged = train.merge_and_evaluate(config, main_dir, steps,
@@ -287,7 +282,7 @@ def test_spiked_run_diverges_exactly_after_the_spike(data_dir, main_run,
   config = dp_config(data_dir, **{'optimizer.spike_num': 1,
                                   'optimizer.spike_window': (0.25, 0.75)})
   (spike,) = spikes_lib.spike_steps(8, 1, seed=0, window=(0.25, 0.75))
-  assert trainer_lib.get_experiment(config).spike_steps == [spike]
+  assert exp_lib.get_experiment(config).spike_steps == [spike]
   summary = train.train_and_evaluate(config, tmp_path)
   # The main run without the spike (no clip in either): the train loss is
   # logged before each update, so steps 1..spike+1 agree, spike+2 differs.
@@ -344,5 +339,5 @@ def test_config_without_new_fields_still_builds(data_dir):
   for key in ('sync_schedule', 'sync_schedule_kwargs'):
     del config.outer[key]
   del config['init_from']
-  trainer_lib.validate_config(config, 8)
+  exp_lib.validate_config(config, 8)
   assert isinstance(config, ml_collections.ConfigDict)

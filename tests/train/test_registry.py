@@ -1,4 +1,4 @@
-"""The DiLoCo family through the trainer: every method by name.
+"""Every training method by name (loc_opt.train.registry), through the trainer.
 
 Every method builds from its config section (no compilation); a
 representative set, one per kind of plan (fragments with apply-only phases,
@@ -18,10 +18,11 @@ from loc_opt import models
 from loc_opt import outer
 from loc_opt import parallel
 from loc_opt import train
-from loc_opt.train import methods as methods_lib
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import experiment as exp_lib
+from loc_opt.train import registry
 from loc_opt.train import simulated_time
-from loc_opt.train import trainer as trainer_lib
-from tests.train.test_trainer import tiny_config
+from tests.train._helpers import tiny_config
 
 WORKERS = 4
 
@@ -30,8 +31,8 @@ CASES = {
     'diloco': {},
     'local_sgd': {},
     'compressed_data_parallel': {},
-    'streaming_diloco': {'outer.streaming.num_fragments': 2,
-                         'outer.streaming.overlap': 1,
+    'streaming_diloco': {'outer.streaming_diloco.num_fragments': 2,
+                         'outer.streaming_diloco.overlap': 1,
                          'checkpoint_every': 2},
     'eager_diloco': {},
     'noloco': {},
@@ -42,16 +43,11 @@ CASES = {
     'mt_dao': {'optimizer.name': 'multi_timescale_adam',
                'optimizer.kwargs': {'b2': 0.95, 'weight_decay': 0.1}},
     'async_local_sgd': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
-    'edit_diloco': {'outer.edit.warmup_syncs': 1},
+    'edit_diloco': {'outer.edit_diloco.warmup_syncs': 1},
     'co2': {},
 }
 TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
            'async_local_sgd')
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('tfds'))
 
 
 def _config(data_dir, method, **extra):
@@ -61,24 +57,21 @@ def _config(data_dir, method, **extra):
 
 
 def test_every_method_is_registered_and_builds_from_its_config(data_dir):
-  assert set(CASES) == set(methods_lib.METHODS) - {'data_parallel'}
+  assert set(CASES) == set(registry.METHODS) - {'data_parallel'}
   for method in CASES:
     config = _config(data_dir, method)
     train.validate_config(config, 8)
-    m = methods_lib.get_method(method)
-    lr = trainer_lib._lr_schedule(config)  # pylint: disable=protected-access
-    sync_every = (methods_lib.make_sync_every(config, lr) if m.has_sync
-                  else None)
-    tx = m.build(config, trainer_lib._make_inner(config, lr), 'worker',  # pylint: disable=protected-access
-                 sync_every)
+    m = registry.get_method(method)
+    tx = m.build(config, cfg_lib.make_inner(config), 'worker')
     model = models.build_model(config.model)
     params = jax.eval_shape(model.init, jax.random.key(0))
     state = jax.eval_shape(tx.init, params)
     assert jax.tree.leaves(state), method
-    if m.plan is not None:
-      plan = m.plan(config)
-      phases = plan.phases(config.num_steps)
-      assert phases[0] == plan.inner and len(phases) > 1, method
+    plan = m.plan(config)
+    phases = plan.phases(config.num_steps)
+    assert phases[0] == plan.inner, method
+    if method != 'compressed_data_parallel':  # every step the same program
+      assert len(phases) > 1, method
       assert plan.num_syncs(0, config.num_steps) > 0, method
 
 
@@ -146,7 +139,7 @@ def _async_checks(exp, config, summary, tmp_path):
                                      speeds=(1.0,) * WORKERS)
   slow = simulated_time.simulate_run(exp, link, step_time_s=1.0)
   assert slow.compute_s == pytest.approx(even.compute_s)
-  sync_method = methods_lib.get_method('streaming_diloco')
+  sync_method = registry.get_method('streaming_diloco')
   assert sync_method.waits_for_stragglers
   assert not exp.method.waits_for_stragglers
 
@@ -161,7 +154,7 @@ def test_method_trains_and_its_inner_steps_move_nothing(data_dir, tmp_path,
                                                         method):
   config = _config(data_dir, method)
   summary = train.train_and_evaluate(config, tmp_path / method)
-  exp = trainer_lib.get_experiment(config)
+  exp = exp_lib.get_experiment(config)
   _check_run(summary, exp, config, method)
   if method in _EXTRA_CHECKS:
     _EXTRA_CHECKS[method](exp, config, summary, tmp_path)
@@ -175,8 +168,8 @@ def test_stragglers_stretch_a_synchronous_run():
 
 
 @pytest.mark.parametrize('method, bad, field', [
-    ('streaming_diloco', {'outer.streaming.num_fragments': 3},  # 4 % 3
-     'outer.streaming'),
+    ('streaming_diloco', {'outer.streaming_diloco.num_fragments': 3},  # 4 % 3
+     'outer.streaming_diloco'),
     ('noloco', {'outer.noloco.group_size': 3}, 'outer.noloco'),  # 4 % 3
     ('desloc', {'outer.desloc.mu_sync_every': -2}, 'outer.desloc'),
     ('mt_dao', {'optimizer.name': 'adamw'}, 'optimizer.name'),
@@ -194,3 +187,37 @@ def test_stragglers_stretch_a_synchronous_run():
 def test_bad_fields_are_named(data_dir, method, bad, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.validate_config(_config(data_dir, method, **bad), 8)
+
+
+@pytest.mark.parametrize('name', sorted(
+    n for n, m in registry.METHODS.items() if m.library_kwargs is not None))
+def test_config_defaults_are_the_library_defaults(data_dir, name):
+  # One source for every default: a field of outer.<method> that a library
+  # function also takes has that function's default in configs/diloco_lm.py.
+  config = tiny_config(data_dir)
+  method = registry.METHODS[name]
+  assert method.section in config.outer, name
+  calls = method.library_kwargs(config)
+  assert calls and any(calls.values()), name
+  for fn, kwargs in calls.items():
+    for arg, value in kwargs.items():
+      want = registry.library_default(fn, arg)
+      assert value == want, (name, fn.__name__, arg, value, want)
+
+
+def test_shared_outer_defaults_are_the_library_defaults(data_dir):
+  # outer.learning_rate / momentum: DiLoCo's Nesterov outer optimizer.
+  config = tiny_config(data_dir)
+  for arg in ('learning_rate', 'momentum'):
+    assert config.outer[arg] == registry.library_default(
+        outer.nesterov_outer, arg), arg
+
+
+def test_every_method_section_is_read(data_dir):
+  # Every outer.<section> of the config belongs to a method (no stale keys).
+  config = tiny_config(data_dir)
+  sections = {k for k, v in config.outer.items()
+              if hasattr(v, 'items') and k not in (
+                  'codec_kwargs', 'sync_schedule_kwargs')}
+  assert sections == {m.section for m in registry.METHODS.values()
+                      if m.section is not None}

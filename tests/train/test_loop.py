@@ -6,48 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from configs import diloco_lm
 import loc_opt
 from loc_opt import train
 from loc_opt.train import checkpoint as ckpt_lib
-from loc_opt.train import trainer as trainer_lib
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('tfds'))
-
-
-def tiny_config(data_dir, **overrides):
-  c = diloco_lm.get_config()
-  c.num_steps = 12
-  c.batch_size = 16
-  c.data.eval_batch_size = 16
-  c.eval_batches = 1
-  c.eval_every = 6
-  c.log_every = 2
-  c.checkpoint_every = 4
-  c.progress = False
-  c.model.d_model = 32
-  c.model.num_heads = 2
-  c.model.num_layers = 1
-  c.model.d_ff = 64
-  c.model.max_len = 32
-  c.data.seq_len = 32
-  c.data.max_bytes = 300_000
-  c.data.data_dir = data_dir
-  c.outer.sync_every = 4
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
-
-
-def leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import experiment as exp_lib
+from tests.train._helpers import leaves
+from tests.train._helpers import tiny_config
 
 
 def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, tmp_path):
@@ -86,7 +51,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, tmp_path):
 
 
 def test_identical_initialisation_on_every_worker(data_dir):
-  exp = trainer_lib.build_experiment(tiny_config(data_dir))
+  exp = exp_lib.build_experiment(tiny_config(data_dir))
   state = exp.init_state()
   assert state['params']['head']['kernel'].sharding.spec[0] == 'worker'
   for x in jax.tree.leaves(state['params']) + \
@@ -99,7 +64,7 @@ def test_identical_initialisation_on_every_worker(data_dir):
 def test_inner_step_moves_nothing_across_workers_sync_moves_fp32_delta(
     data_dir, data, fsdp):
   config = tiny_config(data_dir, **{'mesh.data': data, 'mesh.fsdp': fsdp})
-  exp = trainer_lib.build_experiment(config)
+  exp = exp_lib.build_experiment(config)
   nbytes, n = exp.programs.bytes_per_step, exp.model.num_params
   assert nbytes[False] == 0
   # Per worker, the sync moves the fp32 pseudo-gradient once: worker_mean
@@ -110,7 +75,7 @@ def test_inner_step_moves_nothing_across_workers_sync_moves_fp32_delta(
   assert expected == loc_opt.outer.pseudo_gradient_bytes(
       jax.eval_shape(exp.model.init, jax.random.key(0)))
   assert abs(per_worker - expected) <= 0.05 * expected, (per_worker, expected)
-  dp = trainer_lib.data_parallel_bytes_per_step(config)
+  dp = exp_lib.data_parallel_bytes_per_step(config)
   # Data parallelism all-reduces the fp32 gradient (a 1/fsdp shard of it per
   # device) on every one of the 8 devices, every step.
   expected = 4 * n * exp.mesh.size / fsdp
@@ -172,7 +137,7 @@ def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
 
 def test_int8_codec_sync_moves_a_quarter_of_the_fp32_bytes(data_dir):
   config = tiny_config(data_dir, **{'outer.codec': 'int8'})
-  exp = trainer_lib.build_experiment(config)
+  exp = exp_lib.build_experiment(config)
   n = exp.model.num_params
   nbytes = exp.programs.bytes_per_step
   assert nbytes[False] == 0
@@ -188,11 +153,11 @@ def test_compressed_data_parallel_sends_the_payload_every_step(data_dir,
   config = tiny_config(data_dir, **{
       'outer.method': 'compressed_data_parallel', 'outer.codec': 'int8',
       'outer.error_feedback': 'ef', 'num_steps': 4})
-  exp = trainer_lib.build_experiment(config)
+  exp = exp_lib.build_experiment(config)
   assert set(exp.programs.bytes_per_step) == {False}
   per_worker = exp.programs.bytes_per_step[False] / config.mesh.workers
   params = jax.eval_shape(exp.model.init, jax.random.key(0))
-  expected = train.methods.make_compressor(config.outer).payload_bytes(
+  expected = cfg_lib.make_compressor(config).payload_bytes(
       params)
   assert expected <= per_worker <= 1.1 * expected
   summary = train.train_and_evaluate(config, tmp_path)

@@ -1,0 +1,219 @@
+"""Config fields to library objects: the pieces every method shares.
+
+The experiment config (``configs/diloco_lm.py`` documents every field) names
+things; this module turns the shared names into the library's objects: the
+inner learning-rate schedule and optimizer, the outer optimizer, the codec of
+the cross-worker payload and the sync-period schedule. Every function raises
+a ``ValueError`` that names the bad field. Per-method sections
+(``outer.<method>``) are read by ``loc_opt.train.registry``.
+"""
+
+from collections.abc import Callable, Mapping
+import json
+from typing import Any
+
+import ml_collections
+import optax
+
+from loc_opt import _checks
+from loc_opt import compression
+from loc_opt import inner as inner_lib
+from loc_opt import outer as outer_lib
+from loc_opt import schedules
+from loc_opt.train import spikes as spikes_lib
+
+
+def config_to_json(config: ml_collections.ConfigDict) -> str:
+  """The config as canonical JSON (what a checkpoint records)."""
+  return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def plain(value: Any) -> Any:
+  """A ConfigDict (or anything else) as plain Python containers.
+
+  A config turns ``{'0': 4, '100': 8}`` into a ConfigDict, which is not a
+  Mapping; library functions get dicts.
+  """
+  if isinstance(value, ml_collections.ConfigDict):
+    return value.to_dict()
+  return value
+
+
+def section(config: ml_collections.ConfigDict, name: str
+            ) -> ml_collections.ConfigDict:
+  """``config.outer.<name>``, or an empty section when the config has none."""
+  return config.outer.get(name) or ml_collections.ConfigDict()
+
+
+def checked(field: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+  """Calls ``fn``; a ``ValueError`` / ``TypeError`` is re-raised as a
+  ``ValueError`` that starts with the config ``field`` it came from."""
+  try:
+    return fn(*args, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'{field}: {e}') from e
+
+
+def sync_every(config: ml_collections.ConfigDict) -> int:
+  """``outer.sync_every`` (H), validated.
+
+  It is the period of the ``'constant'`` sync schedule, the default base
+  period of ``'qsr'``, and the period of every fixed-plan method.
+  """
+  return _checks.positive_int(config.outer.sync_every, 'outer.sync_every',
+                              arrays=True)
+
+
+def lr_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """The inner learning-rate schedule (``optimizer.schedule``)."""
+  opt = config.optimizer
+  return schedules.make_schedule(
+      opt.schedule, opt.learning_rate, config.num_steps,
+      **dict(opt.get('schedule_kwargs', {})))
+
+
+def make_inner(config: ml_collections.ConfigDict,
+               schedule: optax.Schedule | None = None
+               ) -> optax.GradientTransformation:
+  """The inner optimizer: spike injection (if on), clip, optimizer."""
+  opt = config.optimizer
+  schedule = lr_schedule(config) if schedule is None else schedule
+  tx = inner_lib.make_optimizer(
+      opt.name, schedule, grad_clip_norm=opt.get('grad_clip_norm'),
+      **dict(opt.get('kwargs', {})))
+  spike, _ = spikes_lib.spikes_from_config(opt, config.num_steps)
+  return tx if spike is None else optax.chain(spike, tx)
+
+
+def outer_optimizer(config: ml_collections.ConfigDict
+                    ) -> optax.GradientTransformation:
+  """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer:
+  Nesterov SGD (DiLoCo's outer step) or heavy-ball SGD."""
+  cfg = config.outer
+  if not cfg.get('nesterov', True):
+    return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
+  return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
+
+
+def make_compressor(config: ml_collections.ConfigDict
+                    ) -> compression.Compressor:
+  """The compressor the ``outer`` section names.
+
+  Fields: ``codec`` (a name of ``loc_opt.compression.make_compressor``),
+  ``codec_kwargs`` (its arguments), ``error_feedback`` (``'none'``, ``'ef'``,
+  ``'ef21'``, ``'econtrol'``), ``econtrol_eta`` and ``compress_min_size``
+  (smaller leaves are sent in fp32 and get no error buffer).
+  """
+  cfg = config.outer
+  name = cfg.get('codec', 'none')
+  try:
+    scheme = compression.make_compressor(
+        name, field='outer.codec', **dict(cfg.get('codec_kwargs', {})))
+  except TypeError as e:
+    raise ValueError(f'outer.codec_kwargs do not fit codec {name!r}: {e}') \
+        from e
+  mode = cfg.get('error_feedback', 'none')
+  if mode not in compression.FEEDBACK:
+    raise ValueError(f'unknown outer.error_feedback {mode!r}; choose one of '
+                     f'{sorted(compression.FEEDBACK)}')
+  min_size = cfg.get('compress_min_size', 0)
+  if min_size < 0:
+    raise ValueError(f'outer.compress_min_size must be >= 0, got {min_size}')
+  return compression.build_compressor(
+      scheme, error_feedback=mode,
+      econtrol_eta=cfg.get('econtrol_eta', 0.1),
+      eligible=compression.min_size(min_size) if min_size else None)
+
+
+def _lr_warmup_steps(config: ml_collections.ConfigDict) -> int:
+  """The inner learning-rate warmup of a config, in steps (0 if none)."""
+  warmup = dict(config.optimizer.get('schedule_kwargs', {})).get(
+      'warmup_steps', 0)
+  return schedules.steps_from_fraction(
+      warmup, config.num_steps, field='optimizer.schedule_kwargs.warmup_steps')
+
+
+def _constant_defaults(config, schedule):
+  del schedule
+  return {'period': sync_every(config)}
+
+
+def _qsr_defaults(config, schedule):
+  # H_base = outer.sync_every; the rate is the inner optimizer's schedule;
+  # H_base during the rate's warmup; rounds laid out over the run as in the
+  # reference code (H frozen per round, capped at the steps left).
+  return {'base_period': sync_every(config),
+          'lr_schedule': schedule,
+          'warmup_steps': _lr_warmup_steps(config),
+          'total_steps': config.num_steps}
+
+
+def _qsr_fix(kwargs, config):
+  if 'warmup_steps' in kwargs:
+    kwargs['warmup_steps'] = schedules.steps_from_fraction(
+        kwargs['warmup_steps'], config.num_steps,
+        field='outer.sync_schedule_kwargs.warmup_steps')
+  return kwargs
+
+
+# Per sync-schedule name (loc_opt.schedules.SYNC_SCHEDULES): the arguments
+# the trainer supplies from the rest of the config, and a fix-up of the
+# user's outer.sync_schedule_kwargs. Names without an entry get the user's
+# kwargs as they are.
+_SYNC_DEFAULTS: Mapping[str, Callable[..., dict[str, Any]]] = {
+    'constant': _constant_defaults,
+    'qsr': _qsr_defaults,
+}
+_SYNC_FIXES: Mapping[str, Callable[..., dict[str, Any]]] = {
+    'qsr': _qsr_fix,
+}
+
+
+def make_sync_every(
+    config: ml_collections.ConfigDict,
+    schedule: optax.Schedule | None = None,
+) -> outer_lib.plan.SyncEvery:
+  """The sync-period schedule ``count -> H`` a config asks for.
+
+  Fields: ``outer.sync_schedule`` (a name of
+  ``loc_opt.schedules.SYNC_SCHEDULES``; default ``'constant'``) and
+  ``outer.sync_schedule_kwargs`` (its arguments). The trainer supplies:
+
+  * ``'constant'``: ``period = outer.sync_every``.
+  * ``'qsr'``: ``base_period = outer.sync_every``, ``lr_schedule`` = the
+    inner optimizer's learning-rate schedule, ``warmup_steps`` = its warmup
+    (``optimizer.schedule_kwargs.warmup_steps``), ``total_steps =
+    num_steps`` (the reference's per-round layout; pass ``total_steps:
+    None`` to read the rule at every count). ``alpha`` must be given;
+    ``max_period`` is optional.
+  * ``'step'``: ``boundaries_and_periods`` must be given.
+
+  Args:
+    config: the whole experiment config.
+    schedule: the inner learning-rate schedule (default: the config's).
+
+  Returns:
+    A jittable ``count -> H`` (int32).
+
+  Raises:
+    ValueError: naming ``outer.sync_schedule`` or
+      ``outer.sync_schedule_kwargs``.
+  """
+  outer = config.outer
+  name = outer.get('sync_schedule', 'constant')
+  if name not in schedules.SYNC_SCHEDULES:
+    raise ValueError(f'unknown outer.sync_schedule {name!r}; choose one of '
+                     f'{sorted(schedules.SYNC_SCHEDULES)}')
+  user = dict(plain(outer.get('sync_schedule_kwargs', {}) or {}))
+  if 'lr_schedule' in user:
+    raise ValueError('outer.sync_schedule_kwargs must not set lr_schedule: '
+                     'the trainer passes the inner learning-rate schedule')
+  schedule = lr_schedule(config) if schedule is None else schedule
+  kwargs = dict(_SYNC_DEFAULTS.get(name, lambda c, s: {})(config, schedule))
+  kwargs.update(user)
+  kwargs = _SYNC_FIXES.get(name, lambda k, c: k)(kwargs, config)
+  try:
+    return schedules.SYNC_SCHEDULES[name](**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'outer.sync_schedule_kwargs do not fit '
+                     f'outer.sync_schedule={name!r}: {e}') from e

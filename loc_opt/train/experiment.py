@@ -1,0 +1,284 @@
+"""An experiment: everything a run needs but the data, built from a config.
+
+:func:`build_experiment` validates the config, builds the mesh, model,
+optimizer and train-state layout, and compiles the method's programs;
+:func:`get_experiment` reuses one built in this process for a config that
+differs only in run-control fields. :func:`load_data` reads the run's data
+once per process.
+"""
+
+import collections
+import copy
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from loc_opt import _checks
+from loc_opt import data as data_lib
+from loc_opt import models
+from loc_opt import outer as outer_lib
+from loc_opt import parallel
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import programs as programs_lib
+from loc_opt.train import registry
+from loc_opt.train import simulated_time
+from loc_opt.train import spikes as spikes_lib
+from loc_opt.train import state as state_lib
+from loc_opt.train.method import eval_params_fn
+from loc_opt.train.method import Method
+
+
+def _check_mesh(config, num_devices: int) -> None:
+  m = config.mesh
+  for name in ('workers', 'data', 'fsdp', 'tensor'):
+    _checks.positive_int(m[name], f'mesh.{name}', arrays=True)
+  shape = m.workers * m.data * m.fsdp * m.tensor
+  if shape != num_devices:
+    raise ValueError(
+        f'mesh.workers * mesh.data * mesh.fsdp * mesh.tensor = {m.workers} * '
+        f'{m.data} * {m.fsdp} * {m.tensor} = {shape}, but there are '
+        f'{num_devices} devices; the worker count must divide the devices '
+        'and the product must equal them.')
+
+
+def _check_batches(config, num_devices: int) -> None:
+  m = config.mesh
+  for name in ('num_steps', 'batch_size'):
+    _checks.positive_int(config[name], name, arrays=True)
+  _checks.positive_int(config.data.seq_len, 'data.seq_len', arrays=True)
+  if config.batch_size % m.workers:
+    raise ValueError(f'batch_size={config.batch_size} does not divide across '
+                     f'mesh.workers={m.workers}')
+  per_worker = config.batch_size // m.workers
+  if per_worker % (m.data * m.fsdp):
+    raise ValueError(
+        f'batch_size={config.batch_size} gives {per_worker} sequences per '
+        f'worker, which does not divide across the {m.data * m.fsdp} '
+        'data-parallel devices (mesh.data * mesh.fsdp) of a worker')
+  eval_batch = config.data.get('eval_batch_size') or config.batch_size
+  if eval_batch % num_devices:
+    raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
+                     f'across the {num_devices} devices')
+  if config.data.seq_len > config.model.max_len:
+    raise ValueError(f'data.seq_len={config.data.seq_len} exceeds '
+                     f'model.max_len={config.model.max_len}')
+
+
+def _check_method(config) -> None:
+  method = registry.get_method(config.outer.method)
+  sched = config.outer.get('sync_schedule', 'constant')
+  if not method.follows_sync_schedule and sched != 'constant':
+    raise ValueError(f'outer.method={config.outer.method!r} syncs on a '
+                     f'fixed plan; outer.sync_schedule must be '
+                     f"'constant', got {sched!r}")
+  method.plan(config)  # validates the sync schedule and the method's fields
+  if method.per_worker:
+    cfg_lib.make_compressor(config)
+
+
+def _check_init_from(config) -> None:
+  """Validates the ``init_from`` fields (a branch off another run)."""
+  init = config.get('init_from')
+  if init is None or not init.get('workdir'):
+    return
+  step = init.get('step')
+  try:
+    _checks.positive_int(step, 'init_from.step', arrays=True)
+  except ValueError:
+    raise ValueError(f'init_from.step must be a positive int (a checkpoint '
+                     f'step of init_from.workdir), got {step!r}') from None
+  if step >= config.num_steps:
+    raise ValueError(f'init_from.step={step} must be below num_steps='
+                     f'{config.num_steps} (the branch must take steps)')
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int):
+  """Raises ``ValueError`` naming the first bad field of ``config``."""
+  _check_mesh(config, num_devices)
+  _check_batches(config, num_devices)
+  cfg_lib.lr_schedule(config)
+  _check_method(config)
+  simulated_time.validate(config)
+  spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
+  _check_init_from(config)
+  if config.model.name == 'transformer' and \
+      config.model.vocab_size < 256:
+    raise ValueError('model.vocab_size must be >= 256 for byte-level data')
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything a run needs but the data: mesh, model, optimizer, programs.
+
+  Attributes:
+    config: the config it was built from.
+    mesh: the worker mesh.
+    model: the model's functional interface.
+    method: the training method.
+    tx: the optimizer (inner optimizer wrapped by the method).
+    shardings: ``NamedSharding`` of every leaf of the train state.
+    abstract_state: the train state's shapes, dtypes and shardings.
+    programs: the compiled steps, their cross-worker bytes, and evaluation.
+    lr_schedule: the inner learning-rate schedule.
+    plan: the phase of every step (``loc_opt.outer.Plan``).
+    spike_steps: the counts at which gradient spikes are injected.
+  """
+
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  model: models.Model
+  method: Method
+  tx: optax.GradientTransformation
+  shardings: Any
+  abstract_state: Any
+  programs: programs_lib.Programs
+  lr_schedule: optax.Schedule
+  plan: outer_lib.Plan
+  spike_steps: list[int]
+
+  @functools.cached_property
+  def _init_fn(self):
+    init = functools.partial(state_lib.init_state, model=self.model,
+                             tx=self.tx, method=self.method,
+                             workers=self.config.mesh.workers)
+    return jax.jit(init, out_shardings=self.shardings)
+
+  def init_state(self) -> dict[str, Any]:
+    """The initial train state: one model initialisation on every worker."""
+    return self._init_fn(jax.random.key(self.config.seed))
+
+  def eval_params(self, state: dict[str, Any]) -> Any:
+    """The weights evaluation uses (per worker for local-update methods)."""
+    return self.programs.eval_params_fn(state)
+
+  def evaluate(self, state: dict[str, Any], eval_batches: Any) -> float:
+    """Mean eval loss of the state's evaluation weights."""
+    return programs_lib.mean_loss(
+        lambda b: self.programs.eval_fn(state, b), eval_batches, self.config,
+        self.method.per_worker)
+
+  def evaluate_params(self, params: Any, eval_batches: Any) -> float:
+    """Mean eval loss of ``params`` (laid out like ``state['params']``)."""
+    return programs_lib.mean_loss(
+        lambda b: self.programs.params_loss_fn(params, b), eval_batches,
+        self.config, self.method.per_worker)
+
+  def sync_bytes(self) -> int | None:
+    """Cross-worker bytes of a sync step: the largest of the sync phases
+    compiled so far (None if the method never syncs)."""
+    synced = [v for k, v in self.programs.bytes_per_step.items()
+              if self.plan.is_sync(k)]
+    return max(synced) if synced else None
+
+
+def build_experiment(config: ml_collections.ConfigDict,
+                     mesh: jax.sharding.Mesh | None = None) -> Experiment:
+  """Validates ``config`` and builds and compiles everything but the data."""
+  validate_config(config, jax.device_count() if mesh is None else mesh.size)
+  if mesh is None:
+    mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
+                                     config.mesh.fsdp, config.mesh.tensor)
+  method = registry.get_method(config.outer.method)
+  model = models.build_model(config.model)
+  lr_schedule = cfg_lib.lr_schedule(config)
+  plan = method.plan(config)
+  tx = method.build(config, cfg_lib.make_inner(config, lr_schedule),
+                    parallel.WORKER)
+  init = functools.partial(state_lib.init_state, model=model, tx=tx,
+                           method=method, workers=config.mesh.workers)
+  abstract = jax.eval_shape(init, jax.random.key(config.seed))
+  shardings = state_lib.state_shardings(
+      abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker)
+  abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
+  programs = programs_lib.build_programs(
+      config, model, tx, method, mesh, shardings, abstract,
+      eval_params_fn(method, abstract['opt_state']),
+      plan.phases(config.num_steps))
+  _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
+                                                 config.num_steps)
+  return Experiment(config, mesh, model, method, tx, shardings, abstract,
+                    programs, lr_schedule, plan, spike_steps)
+
+
+# Fields that do not change what build_experiment compiles: runs that differ
+# only in these share one Experiment within a process (resumes, branches,
+# merges, tests).
+_RUN_CONTROL_FIELDS = ('eval_every', 'eval_batches', 'log_every',
+                       'checkpoint_every', 'keep_checkpoints', 'progress',
+                       'halt_after_steps', 'init_from')
+_EXPERIMENT_CACHE: collections.OrderedDict[str, Experiment] = \
+    collections.OrderedDict()
+_EXPERIMENT_CACHE_SIZE = 4
+
+
+def _experiment_key(config: ml_collections.ConfigDict) -> str:
+  fields = {k: v for k, v in config.to_dict().items()
+            if k not in _RUN_CONTROL_FIELDS}
+  return json.dumps(fields, sort_keys=True, default=str)
+
+
+def get_experiment(config: ml_collections.ConfigDict) -> Experiment:
+  """:func:`build_experiment`, reusing one built in this process for a
+  config that differs only in run-control fields (logging, evaluation,
+  checkpointing, ``halt_after_steps``, ``init_from``)."""
+  key = _experiment_key(config)
+  exp = _EXPERIMENT_CACHE.get(key)
+  if exp is None:
+    exp = build_experiment(copy.deepcopy(config))
+    _EXPERIMENT_CACHE[key] = exp
+    while len(_EXPERIMENT_CACHE) > _EXPERIMENT_CACHE_SIZE:
+      _EXPERIMENT_CACHE.popitem(last=False)
+  else:
+    validate_config(config, exp.mesh.size)
+    _EXPERIMENT_CACHE.move_to_end(key)
+  return exp
+
+
+def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
+  """Cross-worker bytes of one compiled data-parallel step for ``config``.
+
+  The reference a local-update method is compared with: the same model,
+  optimizer and mesh, gradients all-reduced every step.
+  """
+  dp_config = ml_collections.ConfigDict(config.to_dict())
+  # Only what shapes the collectives is kept (so runs that differ in the
+  # outer method's settings, the schedule, spikes or length share one
+  # compiled reference): the data-parallel step ignores the other outer
+  # fields, and schedules and spikes only scale values.
+  dp_config.outer = ml_collections.ConfigDict({'method': 'data_parallel'})
+  dp_config.num_steps = 1
+  dp_config.optimizer.schedule = 'constant'
+  dp_config.optimizer.schedule_kwargs = {}
+  dp_config.optimizer.spike_num = 0
+  dp_config.init_from = ml_collections.ConfigDict({'workdir': '', 'step': 0})
+  exp = get_experiment(dp_config)
+  return exp.programs.bytes_per_step[exp.plan.inner]
+
+
+_DATA_CACHE: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+
+def load_data(config: ml_collections.ConfigDict) -> data_lib.LMData:
+  """The run's data (``loc_opt.data.make_lm_data``), read once per process
+  for a given data config, worker count, batch, length and seed."""
+  key = json.dumps([config.data.to_dict(), config.mesh.workers,
+                    config.batch_size, config.data.seq_len, config.seed],
+                   sort_keys=True, default=str)
+  data = _DATA_CACHE.get(key)
+  if data is None:
+    data = data_lib.make_lm_data(
+        config.data, num_workers=config.mesh.workers,
+        global_batch=config.batch_size, seq_len=config.data.seq_len,
+        seed=config.seed)
+    _DATA_CACHE[key] = data
+    while len(_DATA_CACHE) > 2:
+      _DATA_CACHE.popitem(last=False)
+  else:
+    _DATA_CACHE.move_to_end(key)
+  return data

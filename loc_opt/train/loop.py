@@ -1,0 +1,273 @@
+"""The training loop: config in, trained model, metrics and checkpoints out.
+
+``train_and_evaluate(config, workdir)`` builds the experiment
+(``loc_opt.train.experiment``), starts from a checkpoint in ``workdir``, a
+branch of another run (``init_from``) or the initialisation, and runs the
+steps: the method's plan picks each step's compiled program on the host,
+metrics go to ``metrics.jsonl`` and TensorBoard, evaluation uses the method's
+evaluation weights, and checkpoints make resume bit-exact. The absl
+launcher, notebooks and tests all call it.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import experiment as exp_lib
+from loc_opt.train import metrics as metrics_lib
+from loc_opt.train import simulated_time
+
+
+@dataclasses.dataclass
+class _Counters:
+  """Where the run is: steps, sync bookkeeping and bytes moved."""
+  step: int
+  since_sync: int
+  syncs: int
+  cross_worker_bytes: int
+
+  def advance(self, synced: bool, step_bytes: int) -> None:
+    self.step += 1
+    self.since_sync = 0 if synced else self.since_sync + 1
+    self.syncs += int(synced)
+    self.cross_worker_bytes += step_bytes
+
+
+def _counters(exp: exp_lib.Experiment, state, step: int) -> _Counters:
+  """The counters after ``step`` steps of a restored state.
+
+  A method that keeps its sync counters in the optimizer state has them read
+  from there, so a branch from another run's checkpoint (whose sync
+  schedule may differ) counts right; otherwise the plan is replayed.
+  """
+  nbytes = exp.programs.bytes_per_step
+  if exp.method.counters is None:
+    out = _Counters(0, 0, 0, 0)
+    for phase in exp.plan.walk(0, step):
+      out.advance(exp.plan.is_sync(phase), nbytes[phase])
+    return out
+  syncs, since = (int(np.asarray(jax.device_get(x)).reshape(-1)[0])
+                  for x in exp.method.counters(state['opt_state']))
+  inner = nbytes[exp.plan.inner]
+  total = syncs * (exp.sync_bytes() or 0) + (step - syncs) * inner
+  return _Counters(step, since, syncs, total)
+
+
+def _start(exp, ckpt, config, config_json, branch, progress):
+  """``(step, state)`` to start from: this run's checkpoint, else a branch
+  of another run, else the initialisation."""
+  if ckpt.latest_step() is not None:
+    start, state = ckpt.restore(exp.abstract_state, config_json)
+    progress.message(f'resumed from checkpoint at step {start} in {ckpt.dir}')
+    return start, state
+  if branch is not None:
+    progress.message(f'branched from {config.init_from.workdir} at step '
+                     f'{branch[0]}')
+    return branch
+  return 0, exp.init_state()
+
+
+class _Logger:
+  """Train metrics, evaluation and progress at the configured steps."""
+
+  def __init__(self, exp, workdir, start, eval_batches, progress):
+    self.exp, self.config = exp, exp.config
+    self.writer = metrics_lib.MetricWriter(workdir, resume_step=start)
+    self.eval_batches, self.progress = eval_batches, progress
+    self.tokens_per_step = self.config.batch_size * self.config.data.seq_len
+    self.last_time, self.last_step = time.perf_counter(), start
+    self.train_time = 0.0
+    self.loss = float('nan')
+
+  def due(self, step: int) -> tuple[bool, bool]:
+    """``(log, evaluate)`` after ``step`` steps."""
+    c = self.config
+    last = step == c.num_steps
+    return (step % c.log_every == 0 or last,
+            bool(c.eval_every and step % c.eval_every == 0) or last)
+
+  def log(self, counters, state, loss_arr, step_bytes, evaluate) -> None:
+    step = counters.step
+    self.loss = float(np.mean(np.asarray(loss_arr)))
+    now = time.perf_counter()
+    dt = now - self.last_time
+    self.train_time += dt
+    tps = self.tokens_per_step * (step - self.last_step) / max(dt, 1e-9)
+    scalars = {
+        'train/loss': self.loss,
+        'perf/tokens_per_s': tps,
+        'comm/cross_worker_bytes_step': step_bytes,
+        'comm/cross_worker_bytes_total': counters.cross_worker_bytes,
+        'comm/syncs': counters.syncs,
+    }
+    sync_bytes = self.exp.sync_bytes()
+    if sync_bytes is not None:
+      scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
+    if evaluate:
+      scalars['eval/loss'] = self.exp.evaluate(state, self.eval_batches)
+    self.writer.write(step, scalars)
+    self.progress.update(step, loss=self.loss, tokens_per_s=tps,
+                         cross_worker_bytes=counters.cross_worker_bytes)
+
+  def restart_clock(self, step: int) -> None:
+    """Throughput excludes evaluation and saving."""
+    self.last_time, self.last_step = time.perf_counter(), step
+
+
+def _run_steps(exp, state, counters, data, logger, ckpt, config_json):
+  """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
+  config, programs = exp.config, exp.programs
+  position = int(jax.device_get(state['data_position']))
+  halt_after = config.get('halt_after_steps', 0) or 0
+  start = counters.step
+  while counters.step < config.num_steps:
+    if halt_after and counters.step - start >= halt_after:
+      break
+    phase = exp.plan(counters.step, counters.since_sync)
+    batch = data.train.batch(position)
+    position += 1
+    if not exp.method.per_worker:
+      batch = batch.reshape(-1, batch.shape[-1])
+    state, loss_arr = programs.steps[phase](state, batch)
+    step_bytes = programs.bytes_per_step[phase]
+    counters.advance(exp.plan.is_sync(phase), step_bytes)
+    log_now, eval_now = logger.due(counters.step)
+    if log_now or eval_now:
+      logger.log(counters, state, loss_arr, step_bytes, eval_now)
+    if ckpt.should_save(counters.step, config.num_steps):
+      ckpt.save(counters.step, state, config_json)
+    if log_now or eval_now:
+      logger.restart_clock(counters.step)
+  return state
+
+
+def _summary(exp, counters, logger, workdir, compile_s) -> dict[str, Any]:
+  """The end-of-run summary (written to ``summary.json``)."""
+  config, nbytes = exp.config, exp.programs.bytes_per_step
+  records = metrics_lib.read_metrics(workdir)
+  evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
+  dp_step = (nbytes[exp.plan.inner] if not exp.method.per_worker else
+             exp_lib.data_parallel_bytes_per_step(config))
+  summary = {
+      'step': counters.step, 'finished': True,
+      'method': config.outer.method,
+      'final_eval_loss': evals[-1] if evals else None,
+      'final_train_loss': logger.loss,
+      'cross_worker_bytes': counters.cross_worker_bytes,
+      'syncs': counters.syncs,
+      'data_parallel_cross_worker_bytes': dp_step * config.num_steps,
+      'bytes_per_inner_step': nbytes[exp.programs.steps.phases[0]],
+      'bytes_per_sync_step': exp.sync_bytes(),
+      'peak_bytes_per_step': max(nbytes.values()),
+      'bytes_per_phase': {str(k): v for k, v in nbytes.items()},
+      'wallclock': simulated_time.wallclock_summary(exp),
+      'num_params': exp.model.num_params,
+      'compile_seconds': compile_s,
+      'train_seconds_this_run': logger.train_time,
+  }
+  init_from = config.get('init_from')
+  if init_from is not None and init_from.get('workdir'):
+    summary['init_from'] = {'workdir': str(init_from.workdir),
+                            'step': int(init_from.step)}
+  return summary
+
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+  """Writes ``value`` to ``path`` atomically (a temporary file, renamed)."""
+  tmp = path.with_suffix('.tmp')
+  tmp.write_text(json.dumps(value, indent=2))
+  os.replace(tmp, path)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict,
+                       workdir: str | os.PathLike) -> dict[str, Any]:
+  """Trains per ``config``, writing checkpoints and metrics to ``workdir``.
+
+  If ``workdir`` holds a checkpoint, training resumes from it and ends with
+  exactly the state an uninterrupted run would have (bit for bit on CPU).
+  Otherwise, if ``config.init_from.workdir`` is set, the run starts from
+  that run's checkpoint at ``config.init_from.step`` (see
+  :func:`loc_opt.train.branch_and_evaluate`); else from the initialisation.
+
+  Args:
+    config: see ``configs/diloco_lm.py`` for every field.
+    workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and
+      ``summary.json`` go.
+
+  Returns:
+    The summary: final eval loss, cross-worker bytes moved, the bytes the
+    data-parallel step would have moved for the same steps, timings; and
+    ``state``, the final train state.
+  """
+  workdir = pathlib.Path(workdir)
+  config_json = cfg_lib.config_to_json(config)
+  t0 = time.perf_counter()
+  exp_lib.validate_config(config, jax.device_count())
+  init_from = config.get('init_from')
+  branching = (init_from is not None and bool(init_from.get('workdir'))
+               and ckpt_lib.latest_step(workdir) is None)
+  if branching:  # fail before compiling anything
+    ckpt_lib.check_branch(init_from.workdir, init_from.step, config_json)
+  exp = exp_lib.get_experiment(config)
+  compile_s = time.perf_counter() - t0
+  data = exp_lib.load_data(config)
+  progress = metrics_lib.Progress(config.num_steps, every=config.log_every,
+                                  enabled=config.get('progress', True))
+  # A branch reads the other run's state before anything is written here,
+  # so a bad branch leaves no trace.
+  branch = (ckpt_lib.restore_branch(init_from.workdir, init_from.step,
+                                    exp.abstract_state, config_json)
+            if branching else None)
+  workdir.mkdir(parents=True, exist_ok=True)
+  ckpt = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
+                               max_to_keep=config.keep_checkpoints)
+  start, state = _start(exp, ckpt, config, config_json, branch, progress)
+  # The sync counters live in the optimizer state (or the plan), so a
+  # resumed or branched run continues them exactly; the input position is
+  # in the state, so the data order resumes exactly too.
+  counters = _counters(exp, state, start)
+  logger = _Logger(exp, workdir, start,
+                   data.eval_batches(config.eval_batches), progress)
+  try:
+    state = _run_steps(exp, state, counters, data, logger, ckpt, config_json)
+  except KeyboardInterrupt:
+    progress.message(f'interrupted at step {counters.step}; saving a '
+                     'checkpoint')
+    ckpt.save(counters.step, state, config_json)
+    raise
+  finally:
+    logger.writer.close()
+  ckpt.close()
+  summary = {'step': counters.step, 'finished': False}
+  if counters.step >= config.num_steps:
+    summary = _summary(exp, counters, logger, workdir, compile_s)
+    _write_json(workdir / 'summary.json', summary)
+  summary['state'] = state
+  return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """A short human-readable end-of-run summary."""
+  if not summary.get('finished'):
+    return f'stopped at step {summary["step"]} (resume to finish)'
+  fb = metrics_lib.format_bytes
+  dp = summary['data_parallel_cross_worker_bytes']
+  moved = summary['cross_worker_bytes']
+  ratio = f'{dp / moved:.0f}x less' if moved else 'none moved'
+  lines = [
+      f'method: {summary["method"]}   steps: {summary["step"]}   '
+      f'params: {summary["num_params"]:,}',
+      f'final eval loss: {summary["final_eval_loss"]:.4f}',
+      f'cross-worker bytes moved: {fb(moved)} ({summary["syncs"]} syncs)',
+      f'data-parallel would have moved: {fb(dp)} ({ratio})',
+  ]
+  return '\n'.join(lines)

@@ -1,0 +1,105 @@
+"""What the trainer needs to know about a training method.
+
+A :class:`Method` is a registry entry (``loc_opt.train.registry``): how to
+build the transform from the config, the host-side plan of its phases, which
+weights to evaluate, and what the wall-clock model needs. The trainer reads
+these fields and nothing else, so it has no per-method code.
+
+Evaluation weights: a method may fix them (DiLoCo evaluates the anchor);
+otherwise they are the inner optimizer's (the schedule-free average ``x`` for
+a schedule-free optimizer, the parameters for any other), see
+:func:`eval_params_fn`.
+"""
+
+from collections.abc import Callable, Mapping
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from loc_opt import outer as outer_lib
+from loc_opt import schedules
+
+Config = ml_collections.ConfigDict
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A training method the trainer can run.
+
+  Attributes:
+    per_worker: whether parameters and optimizer state carry a leading worker
+      axis (local-update methods) or are one replicated copy (data parallel).
+    build: ``(config, inner_tx, axis_name) -> GradientTransformation`` from
+      the whole experiment config.
+    plan: ``config -> loc_opt.outer.Plan``, the phase of every step: the
+      trainer compiles one program per phase and picks it on the host.
+    eval_params: ``(opt_state, params) -> params`` to evaluate; None means
+      the inner optimizer's evaluation weights (:func:`eval_params_fn`).
+    counters: ``opt_state -> (num_syncs, steps_since_sync)`` of one worker's
+      state, for methods that keep them: a resumed or branched run then
+      continues its sync bookkeeping from the restored state (a branch may
+      come from a run with another sync schedule). Without it the plan is
+      replayed from step 0.
+    follows_sync_schedule: whether the method's period may follow
+      ``outer.sync_schedule`` (the others need ``'constant'``).
+    overlap_steps: ``config -> int``, the inner steps a collective may
+      overlap before its result is needed (the wall-clock model).
+    waits_for_stragglers: whether every worker waits for the slowest one
+      (synchronous methods; the wall-clock model).
+    section: the method's own config section, ``outer.<section>`` (None if
+      it has none).
+    library_kwargs: ``config -> {library function: keyword arguments}``, the
+      arguments the builder passes from the method's section; a test checks
+      that the config file's values equal the functions' defaults.
+  """
+
+  per_worker: bool
+  build: Callable[[Config, optax.GradientTransformation, str],
+                  optax.GradientTransformation]
+  plan: Callable[[Config], outer_lib.Plan]
+  eval_params: Callable[[Any, Any], Any] | None = None
+  counters: Callable[[Any], tuple[Any, Any]] | None = None
+  follows_sync_schedule: bool = False
+  overlap_steps: Callable[[Config], int] = lambda config: 0
+  waits_for_stragglers: bool = True
+  section: str | None = None
+  library_kwargs: Callable[[Config], Mapping[Callable[..., Any],
+                                             dict[str, Any]]] | None = None
+
+
+def _is_schedule_free_state(x) -> bool:
+  return isinstance(x, optax.contrib.ScheduleFreeState)
+
+
+def has_schedule_free_state(opt_state: Any) -> bool:
+  """Whether an optimizer state (or its abstract shapes) is schedule-free."""
+  return any(_is_schedule_free_state(x) for x in jax.tree.leaves(
+      opt_state, is_leaf=_is_schedule_free_state))
+
+
+def _sf_eval(opt_state, params):
+  return schedules.schedule_free_eval_params(opt_state, params)
+
+
+def _identity_eval(opt_state, params):
+  del opt_state
+  return params
+
+
+def eval_params_fn(method: Method,
+                   abstract_opt_state: Any) -> Callable[[Any, Any], Any]:
+  """``(opt_state, params) -> params`` to evaluate for ``method``.
+
+  The method's own choice if it has one (DiLoCo, local SGD: the anchor);
+  otherwise the schedule-free average ``x`` when the optimizer state holds
+  a ``ScheduleFreeState``, and the parameters themselves for any other
+  optimizer.
+  """
+  if method.eval_params is not None:
+    return method.eval_params
+  if has_schedule_free_state(abstract_opt_state):
+    return _sf_eval
+  return _identity_eval

@@ -1,0 +1,218 @@
+"""The compiled programs of a run: one train step per phase, and evaluation.
+
+A phase is the static ``sync`` value a method's ``update`` takes
+(``loc_opt.outer.plan``): ``False`` for an inner step, ``True`` for a DiLoCo
+sync, a fragment / peer-group / state tuple for the methods that send
+different things on different steps.
+Compiling one program per phase keeps each program's collectives exactly
+what that step sends, so the inner program provably moves zero cross-worker
+bytes; they are read from the compiled HLO when the program is built.
+
+Local-update methods run their per-worker step under ``jax.shard_map``
+manual over ``worker`` only (``loc_opt.parallel.shard_map_workers``); GSPMD
+keeps sharding the model inside each worker.
+"""
+
+import collections.abc
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from loc_opt import models
+from loc_opt import parallel
+from loc_opt.train.method import Method
+
+P = jax.P
+# Programs compiled when an experiment is built (further phases: on use).
+EAGER_COMPILE_PHASES = 16
+# The batch axes inside a worker.
+_BATCH_AXES = ('data', 'fsdp')
+
+
+class StepPrograms(collections.abc.Mapping):
+  """``phase -> compiled train step``, compiled on first use.
+
+  Iterating lists the phases compiled so far; ``bytes`` and ``transfers``
+  hold what each compiled phase's cross-worker collectives move.
+  """
+
+  def __init__(self, compile_fn, phases):
+    self._compile = compile_fn
+    self.phases = tuple(phases)  # every phase this run may use
+    self._steps: dict[Any, Any] = {}
+    self.bytes: dict[Any, int] = {}  # cross-worker bytes (all devices)
+    # cross-worker collectives: (kind, bytes one worker contributes)
+    self.transfers: dict[Any, tuple[tuple[str, float], ...]] = {}
+
+  def __getitem__(self, phase):
+    if phase not in self._steps:
+      if phase not in self.phases:
+        raise KeyError(phase)
+      compiled, report = self._compile(phase)
+      self._steps[phase] = compiled
+      self.bytes[phase] = int(report.cross_worker_bytes)
+      self.transfers[phase] = parallel.cross_worker_transfers(report)
+    return self._steps[phase]
+
+  def __iter__(self):
+    return iter(self._steps)
+
+  def __len__(self):
+    return len(self._steps)
+
+
+class _BytesView(collections.abc.Mapping):
+  """``phase -> cross-worker bytes``; compiles the phase if needed."""
+
+  def __init__(self, steps: StepPrograms):
+    self._steps = steps
+
+  def __getitem__(self, phase):
+    self._steps[phase]
+    return self._steps.bytes[phase]
+
+  def __iter__(self):
+    return iter(self._steps.bytes)
+
+  def __len__(self):
+    return len(self._steps.bytes)
+
+
+@dataclasses.dataclass
+class Programs:
+  """The compiled steps and what their collectives move.
+
+  Attributes:
+    steps: phase -> the compiled train step (``jax.stages.Compiled``, so it
+      can never recompile); see :class:`StepPrograms`.
+    eval_fn: ``(state, batch) -> per-worker loss`` at the eval weights.
+    eval_params_fn: ``state -> eval weights`` (laid out like the params).
+    params_loss_fn: ``(params, batch) -> per-worker loss`` of given weights
+      (e.g. a WSM merge).
+  """
+  steps: StepPrograms
+  eval_fn: Any
+  eval_params_fn: Any
+  params_loss_fn: Any
+
+  @property
+  def bytes_per_step(self) -> collections.abc.Mapping:
+    """phase -> cross-worker bytes of that step (all devices)."""
+    return _BytesView(self.steps)
+
+
+def loss_fn(model: models.Model, params: Any, batch: jax.Array) -> jax.Array:
+  """Next-token loss of ``params`` on a ``[..., seq_len + 1]`` batch."""
+  logits = model.apply(params, batch[..., :-1])
+  return models.lm_loss(logits, batch[..., 1:])
+
+
+def batch_sharding(mesh, per_worker: bool) -> jax.NamedSharding:
+  """Batches: ``[workers, rows, len]`` split over workers and the batch axes
+  inside them, or ``[rows, len]`` split over all of them."""
+  if per_worker:
+    return jax.NamedSharding(mesh, P(parallel.WORKER, _BATCH_AXES))
+  return jax.NamedSharding(mesh, P((parallel.WORKER,) + _BATCH_AXES))
+
+
+def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
+  m, length = config.mesh, config.data.seq_len + 1
+  shape = ((m.workers, config.batch_size // m.workers, length) if per_worker
+           else (config.batch_size, length))
+  return jax.ShapeDtypeStruct(shape, jnp.int32,
+                              sharding=batch_sharding(mesh, per_worker))
+
+
+def _train_steps(config, model, tx, method: Method, mesh, shardings,
+                 abstract_state, phases) -> StepPrograms:
+  """The train step of every phase, the first few compiled now."""
+  abstract_batch = _abstract_batch(config, mesh, method.per_worker)
+  loss_sharding = jax.NamedSharding(
+      mesh, P(parallel.WORKER) if method.per_worker else P())
+
+  def worker_step(params, opt_state, batch, *, sync):
+    loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
+        params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, sync=sync)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  def make_step(sync):
+    run = functools.partial(worker_step, sync=sync)
+    if method.per_worker:
+      run = parallel.shard_map_workers(run, mesh)
+
+    def step(state, batch):
+      params, opt_state, loss = run(state['params'], state['opt_state'], batch)
+      new = dict(state, params=params, opt_state=opt_state,
+                 step=state['step'] + 1,
+                 data_position=state['data_position'] + 1)
+      return new, loss
+
+    return jax.jit(step, in_shardings=(shardings, abstract_batch.sharding),
+                   out_shardings=(shardings, loss_sharding),
+                   donate_argnums=0)
+
+  def compile_phase(phase):
+    compiled = make_step(phase).lower(abstract_state,
+                                      abstract_batch).compile()
+    return compiled, parallel.collective_bytes(compiled, mesh)
+
+  steps = StepPrograms(compile_phase, phases)
+  # The run's programs are compiled now (so throughput excludes compiling),
+  # unless a plan has very many phases: those compile on first use.
+  for phase in phases[:EAGER_COMPILE_PHASES]:
+    steps[phase]
+  return steps
+
+
+def build_programs(config: ml_collections.ConfigDict, model: models.Model,
+                   tx: optax.GradientTransformation, method: Method,
+                   mesh: jax.sharding.Mesh, shardings: Any,
+                   abstract_state: Any, eval_params: Any,
+                   phases: tuple[Any, ...]) -> Programs:
+  """Compiles the train step of each phase and the evaluation programs.
+
+  Every worker evaluates its eval weights on its slice of the eval batch,
+  so evaluation itself crosses no worker boundary.
+  """
+  steps = _train_steps(config, model, tx, method, mesh, shardings,
+                       abstract_state, phases)
+
+  def worker_eval(params, opt_state, batch):
+    return loss_fn(model, eval_params(opt_state, params), batch)
+
+  per_worker = (functools.partial(parallel.shard_map_workers, mesh=mesh)
+                if method.per_worker else lambda fn: fn)
+  eval_sharding = batch_sharding(mesh, method.per_worker)
+  eval_run = per_worker(worker_eval)
+  eval_fn = jax.jit(
+      lambda state, batch: eval_run(state['params'], state['opt_state'],
+                                    batch),
+      in_shardings=(shardings, eval_sharding))
+  params_run = per_worker(lambda opt_state, params: eval_params(opt_state,
+                                                                params))
+  eval_params_fn = jax.jit(
+      lambda state: params_run(state['opt_state'], state['params']),
+      in_shardings=(shardings,), out_shardings=shardings['params'])
+  params_loss_fn = jax.jit(per_worker(functools.partial(loss_fn, model)),
+                           in_shardings=(shardings['params'], eval_sharding))
+  return Programs(steps=steps, eval_fn=eval_fn,
+                  eval_params_fn=eval_params_fn,
+                  params_loss_fn=params_loss_fn)
+
+
+def mean_loss(loss_of_batch, eval_batches, config, per_worker) -> float:
+  """Mean of ``loss_of_batch`` over ``eval_batches`` (global ``[rows,
+  len]`` batches, split per worker for local-update methods)."""
+  losses = []
+  for batch in eval_batches:
+    if per_worker:
+      batch = batch.reshape(config.mesh.workers, -1, batch.shape[-1])
+    losses.append(np.mean(np.asarray(loss_of_batch(batch))))
+  return float(np.mean(losses))

@@ -1,0 +1,397 @@
+"""Every training method by name (``outer.method``): config to transform.
+
+One entry per method: how its transform is built from the config, its plan
+of phases, its evaluation weights and what the wall-clock model needs (see
+:class:`loc_opt.train.method.Method`). The trainer reads :data:`METHODS`;
+nothing here reads the trainer back.
+
+A method's own settings live in the config section named after it,
+``outer.<method>`` (``outer.streaming_diloco``, ``outer.noloco``, ...; see
+``configs/diloco_lm.py``), beside the shared ``outer`` fields
+(``sync_every``, ``learning_rate``, ``momentum``, ``codec``). Fields the
+library functions also take are passed by name, and the config file's values
+are the functions' defaults (``tests/train/test_registry.py`` checks it), so
+there is one source for every default.
+"""
+
+from collections.abc import Callable, Mapping
+import inspect
+from typing import Any
+
+import jax
+import optax
+
+from loc_opt import compression
+from loc_opt import models
+from loc_opt import outer as outer_lib
+from loc_opt.outer import plan as plan_lib
+from loc_opt.outer.desynced import DEFAULT_STATE_FACTORS
+from loc_opt.train import config as cfg_lib
+from loc_opt.train import simulated_time
+from loc_opt.train.method import Method
+
+_section = cfg_lib.section
+_h = cfg_lib.sync_every
+
+
+def _pick(config, name: str, fields: tuple[str, ...],
+          rename: Mapping[str, str] | None = None) -> dict[str, Any]:
+  """The ``fields`` present in section ``outer.<name>``, keyed by the library
+  argument they set (``rename`` maps field -> argument)."""
+  s, rename = _section(config, name), rename or {}
+  return {rename.get(f, f): cfg_lib.plain(s[f]) for f in fields if f in s}
+
+
+def _required(config, name: str, field: str) -> Any:
+  """A field of ``outer.<name>`` that only the config defines."""
+  s = _section(config, name)
+  if field not in s:
+    raise ValueError(f'outer.{name}.{field} is missing from the config')
+  return s[field]
+
+
+def library_default(fn: Callable[..., Any], arg: str) -> Any:
+  """The default of ``fn``'s keyword argument ``arg``."""
+  return inspect.signature(fn).parameters[arg].default
+
+
+def _kwargs(method: str, fn: Callable[..., Any], config) -> dict[str, Any]:
+  """The arguments method ``method``'s section gives library function
+  ``fn``."""
+  return dict(METHODS[method].library_kwargs(config)[fn])
+
+
+# --------------------------------------------- DiLoCo, local SGD, data parallel
+
+
+def _period_plan(config) -> plan_lib.Plan:
+  return plan_lib.period_plan(cfg_lib.make_sync_every(config),
+                              config.num_steps)
+
+
+def _build_diloco(config, inner, axis_name):
+  return outer_lib.diloco(
+      inner, sync_every=cfg_lib.make_sync_every(config),
+      outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
+      codec=cfg_lib.make_compressor(config))
+
+
+def _build_local_sgd(config, inner, axis_name):
+  return outer_lib.local_sgd(
+      inner, sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
+      codec=cfg_lib.make_compressor(config))
+
+
+def _build_compressed_dp(config, inner, axis_name):
+  start = config.outer.get('compress_start_step', 0)
+  if start < 0:
+    raise ValueError(f'outer.compress_start_step must be >= 0, got {start}')
+  reduce = compression.compressed_all_reduce(
+      cfg_lib.make_compressor(config), axis_name, start_step=start)
+  return optax.chain(reduce, inner)
+
+
+def _diloco_eval(opt_state, params):
+  # The anchor, whatever the inner optimizer. With a schedule-free inner
+  # optimizer too: the anchor is the one shared model, built from the
+  # workers' y-iterates; the schedule-free average x = (y - (1 - b1) z) / b1
+  # needs each worker's own z, which is never averaged, and after a sync
+  # the local y is reset to the anchor while z is not, so that formula no
+  # longer gives the average of any trajectory.
+  return outer_lib.diloco_eval_params(opt_state, params)
+
+
+def _diloco_counters(opt_state):
+  return opt_state.num_syncs, opt_state.steps_since_sync
+
+
+# ------------------------------------------------------- Streaming DiLoCo
+
+
+def _streaming_kwargs(config):
+  return {
+      outer_lib.streaming_diloco: _pick(config, 'streaming_diloco',
+                                        ('overlap', 'alpha')),
+      outer_lib.fragment_ids: _pick(config, 'streaming_diloco', ('pattern',)),
+  }
+
+
+def _streaming_overlap(config) -> int:
+  kwargs = _kwargs('streaming_diloco', outer_lib.streaming_diloco, config)
+  return int(kwargs.get('overlap', library_default(
+      outer_lib.streaming_diloco, 'overlap')))
+
+
+def _streaming_fragments(config) -> int:
+  return int(_required(config, 'streaming_diloco', 'num_fragments'))
+
+
+def _streaming_plan(config):
+  return cfg_lib.checked(
+      'outer.streaming_diloco', outer_lib.streaming_plan, _h(config),
+      _streaming_fragments(config), _streaming_overlap(config))
+
+
+def _build_streaming(config, inner, axis_name):
+  num_fragments = _streaming_fragments(config)
+  # Which fragment each parameter is in, from the model's parameter names.
+  shapes = jax.eval_shape(models.build_model(config.model).init,
+                          jax.random.key(0))
+  fragments = cfg_lib.checked(
+      'outer.streaming_diloco', outer_lib.fragment_ids, shapes,
+      num_fragments, **_kwargs('streaming_diloco', outer_lib.fragment_ids,
+                               config))
+  return cfg_lib.checked(
+      'outer.streaming_diloco', outer_lib.streaming_diloco, inner,
+      sync_every=_h(config), num_fragments=num_fragments,
+      fragments=fragments, outer=cfg_lib.outer_optimizer(config),
+      axis_name=axis_name, codec=cfg_lib.make_compressor(config),
+      **_kwargs('streaming_diloco', outer_lib.streaming_diloco, config))
+
+
+# --------------------------------------------------------- Eager updates
+
+
+def _build_eager(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.eager_diloco', outer_lib.eager_diloco, inner,
+      sync_every=_h(config), outer=cfg_lib.outer_optimizer(config),
+      axis_name=axis_name, codec=cfg_lib.make_compressor(config),
+      **_kwargs('eager_diloco', outer_lib.eager_diloco, config))
+
+
+# ----------------------------------------------------------------- NoLoCo
+
+_NOLOCO_GROUPS = ('group_size', 'seed')
+
+
+def _noloco_plan(config):
+  kwargs = _kwargs('noloco', outer_lib.noloco, config)
+  return cfg_lib.checked(
+      'outer.noloco', outer_lib.noloco_plan, _h(config), config.mesh.workers,
+      **{k: v for k, v in kwargs.items() if k in _NOLOCO_GROUPS})
+
+
+def _build_noloco(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.noloco', outer_lib.noloco, inner, sync_every=_h(config),
+      learning_rate=config.outer.learning_rate, axis_name=axis_name,
+      **_kwargs('noloco', outer_lib.noloco, config))
+
+
+# ------------------------------------------------------------------- DeMo
+
+
+def _build_demo(config, inner, axis_name):
+  del inner  # DeMo is the whole optimizer
+  schedule = cfg_lib.lr_schedule(config)
+  scale = float(_required(config, 'demo', 'lr_scale'))
+  lr = schedule if scale == 1.0 else (lambda count: scale * schedule(count))
+  return cfg_lib.checked(
+      'outer.demo', outer_lib.demo, lr, axis_name=axis_name,
+      **_kwargs('demo', outer_lib.demo, config))
+
+
+# ------------------------------------------------------------- SparseLoCo
+
+
+def _sparseloco_kwargs(config):
+  kwargs = _pick(config, 'sparseloco', (
+      'ef_decay', 'topk', 'tile', 'value_codec', 'learning_rate',
+      'aggregate'))
+  if kwargs.get('value_codec') == 'none':
+    kwargs['value_codec'] = None
+  return {outer_lib.sparseloco: kwargs}
+
+
+def _build_sparseloco(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.sparseloco', outer_lib.sparseloco, inner, sync_every=_h(config),
+      axis_name=axis_name,
+      **_kwargs('sparseloco', outer_lib.sparseloco, config))
+
+
+# ------------------------------------------------------- DES-LOC, MT-DAO
+
+
+def _state_periods(config, mt: bool) -> dict[str, int]:
+  """Each synced optimizer-state field's period; a 0 field is a multiple of
+  ``sync_every`` (DES-LOC: the library's factors; MT-DAO: 1x)."""
+  s, h = _section(config, 'desloc'), _h(config)
+  if mt:
+    return {'slow': int(s.get('slow_sync_every', 0)) or h,
+            'nu': int(s.get('nu_sync_every', 0)) or h}
+  return {name: int(s.get(f'{name}_sync_every', 0)) or factor * h
+          for name, factor in DEFAULT_STATE_FACTORS.items()}
+
+
+def _desloc_plan(config, mt=False):
+  if mt and config.optimizer.name != 'multi_timescale_adam':
+    raise ValueError(f"outer.method='mt_dao' needs optimizer.name="
+                     f"'multi_timescale_adam', got {config.optimizer.name!r}")
+  return cfg_lib.checked('outer.desloc', outer_lib.desloc_plan, _h(config),
+                         _state_periods(config, mt))
+
+
+def _build_desloc(config, inner, axis_name, mt=False):
+  nesterov = bool(_required(config, 'desloc', 'nesterov'))
+  return cfg_lib.checked(
+      'outer.desloc', outer_lib.desloc, inner, sync_every=_h(config),
+      state_sync_every=_state_periods(config, mt),
+      outer=cfg_lib.outer_optimizer(config) if nesterov else None,
+      axis_name=axis_name)
+
+
+# ------------------------------------------------- Asynchronous local SGD
+
+
+def _async_kwargs(config):
+  return {outer_lib.async_local_sgd: _pick(config, 'async_local_sgd',
+                                           ('dylu',)),
+          outer_lib.delayed_nesterov: _pick(config, 'async_local_sgd',
+                                            ('activation',))}
+
+
+def _async_args(config) -> dict[str, Any]:
+  return {'speeds': simulated_time.worker_speeds(config),
+          'sync_every': _h(config),
+          **_kwargs('async_local_sgd', outer_lib.async_local_sgd, config)}
+
+
+def _async_plan(config):
+  return cfg_lib.checked('outer.async_local_sgd', outer_lib.async_plan,
+                         **_async_args(config))
+
+
+def _build_async(config, inner, axis_name):
+  # DN's buffer N: 0 in the config means one push per worker.
+  n = int(_required(config, 'async_local_sgd', 'buffer_size'))
+  server = cfg_lib.checked(
+      'outer.async_local_sgd', outer_lib.delayed_nesterov,
+      config.outer.learning_rate, momentum=config.outer.momentum,
+      buffer_size=n or config.mesh.workers,
+      **_kwargs('async_local_sgd', outer_lib.delayed_nesterov, config))
+  return cfg_lib.checked('outer.async_local_sgd', outer_lib.async_local_sgd,
+                         inner, outer=server, axis_name=axis_name,
+                         **_async_args(config))
+
+
+# ----------------------------------------------------------- EDiT and CO2
+
+
+def _build_edit(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.edit_diloco', outer_lib.edit_diloco, inner,
+      sync_every=_h(config), outer=cfg_lib.outer_optimizer(config),
+      axis_name=axis_name,
+      **_kwargs('edit_diloco', outer_lib.edit_diloco, config))
+
+
+def _co2_kwargs(config):
+  kwargs = _pick(config, 'co2', ('learning_rate', 'momentum',
+                                 'staleness_penalty', 'clip'),
+                 rename={'learning_rate': 'outer_lr'})
+  if 'clip' in kwargs and not kwargs['clip']:
+    kwargs['clip'] = None  # 0: no clip
+  return {outer_lib.co2: kwargs}
+
+
+def _build_co2(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.co2', outer_lib.co2, inner, sync_every=_h(config),
+      axis_name=axis_name, **_kwargs('co2', outer_lib.co2, config))
+
+
+def _fixed_plan(plan_fn):
+  """A plan from ``plan_fn(H)`` (the methods that sync every H steps)."""
+  return lambda config: plan_fn(_h(config))
+
+
+def _section_kwargs(fn, name, fields):
+  return lambda config: {fn: _pick(config, name, fields)}
+
+
+METHODS: Mapping[str, Method] = {
+    # Gradients all-reduced every step; the inner optimizer ignores the
+    # phase every method's update is given.
+    'data_parallel': Method(
+        per_worker=False,
+        build=lambda config, inner, axis_name: optax.with_extra_args_support(
+            inner),
+        plan=lambda config: plan_lib.no_sync_plan()),
+    'diloco': Method(
+        per_worker=True, build=_build_diloco, plan=_period_plan,
+        eval_params=_diloco_eval, counters=_diloco_counters,
+        follows_sync_schedule=True),
+    'local_sgd': Method(
+        per_worker=True, build=_build_local_sgd, plan=_period_plan,
+        eval_params=_diloco_eval, counters=_diloco_counters,
+        follows_sync_schedule=True),
+    # Data parallel where each worker computes its own gradient and only the
+    # compressed payloads (outer.codec) cross workers, every step.
+    'compressed_data_parallel': Method(
+        per_worker=True, build=_build_compressed_dp,
+        plan=lambda config: plan_lib.no_sync_plan()),
+    'streaming_diloco': Method(
+        per_worker=True, build=_build_streaming, plan=_streaming_plan,
+        eval_params=outer_lib.streaming_eval_params,
+        overlap_steps=_streaming_overlap, section='streaming_diloco',
+        library_kwargs=_streaming_kwargs),
+    'eager_diloco': Method(
+        per_worker=True, build=_build_eager,
+        plan=_fixed_plan(outer_lib.eager_plan),
+        eval_params=outer_lib.eager_eval_params,
+        # the average of a round may arrive any time in the next round
+        overlap_steps=_h, section='eager_diloco',
+        library_kwargs=_section_kwargs(outer_lib.eager_diloco,
+                                       'eager_diloco', ('naive',))),
+    'noloco': Method(
+        per_worker=True, build=_build_noloco, plan=_noloco_plan,
+        eval_params=outer_lib.noloco_eval_params, section='noloco',
+        library_kwargs=_section_kwargs(outer_lib.noloco, 'noloco', (
+            'momentum', 'consensus') + _NOLOCO_GROUPS)),
+    'demo': Method(
+        per_worker=True, build=_build_demo,
+        plan=lambda config: outer_lib.demo_plan(),
+        eval_params=outer_lib.demo_eval_params, section='demo',
+        library_kwargs=_section_kwargs(outer_lib.demo, 'demo', (
+            'beta', 'topk', 'chunk', 'weight_decay'))),
+    'sparseloco': Method(
+        per_worker=True, build=_build_sparseloco,
+        plan=_fixed_plan(outer_lib.sparseloco_plan),
+        eval_params=outer_lib.sparseloco_eval_params, section='sparseloco',
+        library_kwargs=_sparseloco_kwargs),
+    'desloc': Method(
+        per_worker=True, build=_build_desloc, plan=_desloc_plan,
+        eval_params=outer_lib.desloc_eval_params, section='desloc'),
+    'mt_dao': Method(
+        per_worker=True,
+        build=lambda *args: _build_desloc(*args, mt=True),
+        plan=lambda config: _desloc_plan(config, mt=True),
+        eval_params=outer_lib.desloc_eval_params, section='desloc'),
+    'edit_diloco': Method(
+        per_worker=True, build=_build_edit,
+        plan=_fixed_plan(outer_lib.edit_plan),
+        eval_params=outer_lib.edit_eval_params, section='edit_diloco',
+        library_kwargs=_section_kwargs(outer_lib.edit_diloco, 'edit_diloco', (
+            'ewma', 'warmup_syncs', 'z_threshold', 'temperature',
+            'clip_norm'))),
+    'co2': Method(
+        per_worker=True, build=_build_co2,
+        plan=_fixed_plan(outer_lib.co2_plan),
+        eval_params=outer_lib.co2_eval_params,
+        # the stale average may arrive any time in the next round
+        overlap_steps=_h, section='co2', library_kwargs=_co2_kwargs),
+    'async_local_sgd': Method(
+        per_worker=True, build=_build_async, plan=_async_plan,
+        eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,
+        section='async_local_sgd', library_kwargs=_async_kwargs),
+}
+
+
+def get_method(name: str) -> Method:
+  """The method ``outer.method`` names."""
+  if name not in METHODS:
+    raise ValueError(f'unknown method {name!r} (field outer.method); choose '
+                     f'one of {sorted(METHODS)}')
+  return METHODS[name]
