@@ -105,74 +105,76 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function
   # also takes have its default here (tests/train/test_registry.py checks
-  # it). Each method also reads sync_every (H), learning_rate and momentum above where it has
-  # an outer optimizer, and outer.codec where it sends pseudo-gradients.
+  # it). Each method also reads sync_every (H), learning_rate and momentum
+  # above where it has an outer optimizer, and outer.codec where it sends
+  # pseudo-gradients.
   # Streaming DiLoCo ('streaming_diloco'): fragments synced in turn.
-  c.outer.streaming_diloco = ml_collections.ConfigDict()
-  c.outer.streaming_diloco.num_fragments = 3  # P (embeddings/head + block groups).
-  c.outer.streaming_diloco.pattern = 'strided'  # Blocks to fragments: or sequential.
-  c.outer.streaming_diloco.overlap = 1  # tau: inner steps a fragment's sync overlaps.
-  # Weight of the local fragment in the blend (None: 0.5 with overlap, else 0).
-  c.outer.streaming_diloco.alpha = ml_collections.config_dict.placeholder(float)
+  s = c.outer.streaming_diloco = ml_collections.ConfigDict()
+  s.num_fragments = 3  # P (embeddings/head + block groups).
+  s.pattern = 'strided'  # Blocks to fragments: or sequential.
+  s.overlap = 1  # tau: inner steps a fragment's sync overlaps.
+  # Weight of the local fragment in the blend (None: 0.5 with overlap,
+  # else 0).
+  s.alpha = ml_collections.config_dict.placeholder(float)
   # Eager updates ('eager_diloco'): the average lands one round late.
-  c.outer.eager_diloco = ml_collections.ConfigDict()
-  c.outer.eager_diloco.naive = False  # True: the delayed average alone (ablation).
+  s = c.outer.eager_diloco = ml_collections.ConfigDict()
+  s.naive = False  # True: the delayed average alone (ablation).
   # NoLoCo ('noloco'): random peer groups, no all-reduce.
-  c.outer.noloco = ml_collections.ConfigDict()
-  c.outer.noloco.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).
+  s = c.outer.noloco = ml_collections.ConfigDict()
+  s.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).
   # gamma (None: equal to learning_rate).
-  c.outer.noloco.consensus = ml_collections.config_dict.placeholder(float)
-  c.outer.noloco.group_size = 2  # Workers per group.
-  c.outer.noloco.seed = 0  # Seed of the pairings (shared by all workers).
+  s.consensus = ml_collections.config_dict.placeholder(float)
+  s.group_size = 2  # Workers per group.
+  s.seed = 0  # Seed of the pairings (shared by all workers).
   # DeMo ('demo'): every step, top-k DCT components of momentum, sign step.
   # Replaces the inner optimizer (optimizer.name, grad_clip_norm and spikes
   # do not apply); its learning rate is the inner schedule x lr_scale.
-  c.outer.demo = ml_collections.ConfigDict()
-  c.outer.demo.beta = 0.999  # Momentum decay.
-  c.outer.demo.topk = 32  # Coefficients kept per chunk x chunk block.
-  c.outer.demo.chunk = 64  # DCT block edge.
-  c.outer.demo.lr_scale = 1.0  # Multiplies the inner learning rate.
-  c.outer.demo.weight_decay = 0.0  # Decoupled weight decay.
+  s = c.outer.demo = ml_collections.ConfigDict()
+  s.beta = 0.999  # Momentum decay.
+  s.topk = 32  # Coefficients kept per chunk x chunk block.
+  s.chunk = 64  # DCT block edge.
+  s.lr_scale = 1.0  # Multiplies the inner learning rate.
+  s.weight_decay = 0.0  # Decoupled weight decay.
   # SparseLoCo ('sparseloco'): error feedback, tile top-k, 2-bit values.
-  c.outer.sparseloco = ml_collections.ConfigDict()
-  c.outer.sparseloco.ef_decay = 0.95  # Error-feedback decay.
-  c.outer.sparseloco.topk = 128  # Kept per 64 x 64 tile (scaled for others).
-  c.outer.sparseloco.tile = 64  # Tile edge.
-  c.outer.sparseloco.value_codec = 'two_bit'  # Or 'none' (fp32 values).
-  c.outer.sparseloco.learning_rate = 1.0  # Outer SGD learning rate.
+  s = c.outer.sparseloco = ml_collections.ConfigDict()
+  s.ef_decay = 0.95  # Error-feedback decay.
+  s.topk = 128  # Kept per 64 x 64 tile (scaled for others).
+  s.tile = 64  # Tile edge.
+  s.value_codec = 'two_bit'  # Or 'none' (fp32 values).
+  s.learning_rate = 1.0  # Outer SGD learning rate.
   # 'mean_of_selected' (reference) or 'mean_over_workers'.
-  c.outer.sparseloco.aggregate = 'mean_of_selected'
+  s.aggregate = 'mean_of_selected'
   # DES-LOC ('desloc') and MT-DAO ('mt_dao'): a period per optimizer state;
   # 0 = a multiple of sync_every (DES-LOC: 3x for mu, 6x for nu; MT-DAO: 1x).
   # MT-DAO needs optimizer.name = 'multi_timescale_adam'.
-  c.outer.desloc = ml_collections.ConfigDict()
-  c.outer.desloc.mu_sync_every = 0  # First moment (DES-LOC).
-  c.outer.desloc.nu_sync_every = 0  # Second moment.
-  c.outer.desloc.slow_sync_every = 0  # Slow momenta (MT-DAO).
-  c.outer.desloc.nesterov = False  # Outer Nesterov on params, not averaging.
+  s = c.outer.desloc = ml_collections.ConfigDict()
+  s.mu_sync_every = 0  # First moment (DES-LOC).
+  s.nu_sync_every = 0  # Second moment.
+  s.slow_sync_every = 0  # Slow momenta (MT-DAO).
+  s.nesterov = False  # Outer Nesterov on params, not averaging.
   # Asynchronous local SGD ('async_local_sgd'), simulated: worker speeds are
   # wallclock.worker_speeds; server: Delayed Nesterov (learning_rate,
   # momentum above).
-  c.outer.async_local_sgd = ml_collections.ConfigDict()
-  c.outer.async_local_sgd.dylu = True  # Slower workers take fewer inner steps.
-  c.outer.async_local_sgd.buffer_size = 0  # DN's N (0 = number of workers).
-  c.outer.async_local_sgd.activation = 0.0  # DN's c, in [0, 1/N].
+  s = c.outer.async_local_sgd = ml_collections.ConfigDict()
+  s.dylu = True  # Slower workers take fewer inner steps.
+  s.buffer_size = 0  # DN's N (0 = number of workers).
+  s.activation = 0.0  # DN's c, in [0, 1/N].
   # EDiT ('edit_diloco'): DiLoCo with a pseudo-gradient penalty (outer step:
   # learning_rate, momentum above).
-  c.outer.edit_diloco = ml_collections.ConfigDict()
-  c.outer.edit_diloco.ewma = 0.02  # EWMA rate of each worker's norm statistics.
-  c.outer.edit_diloco.warmup_syncs = 120  # Syncs before anomalies are dropped.
-  c.outer.edit_diloco.z_threshold = 3.0  # Norm z-score that drops a worker.
-  c.outer.edit_diloco.temperature = 1.0  # Softmax temperature of the weights.
+  s = c.outer.edit_diloco = ml_collections.ConfigDict()
+  s.ewma = 0.02  # EWMA rate of each worker's norm statistics.
+  s.warmup_syncs = 120  # Syncs before anomalies are dropped.
+  s.z_threshold = 3.0  # Norm z-score that drops a worker.
+  s.temperature = 1.0  # Softmax temperature of the weights.
   # Clip of the averaged delta (None: no clip).
-  c.outer.edit_diloco.clip_norm = ml_collections.config_dict.placeholder(float)
+  s.clip_norm = ml_collections.config_dict.placeholder(float)
   # CO2 ('co2'): local SGD whose outer step uses the previous round's
   # average, so the all-reduce overlaps a whole round.
-  c.outer.co2 = ml_collections.ConfigDict()
-  c.outer.co2.learning_rate = 1.0  # Outer learning rate.
-  c.outer.co2.momentum = 0.5  # Outer momentum.
-  c.outer.co2.staleness_penalty = 1.0  # lambda.
-  c.outer.co2.clip = 1.0  # Element-wise clip of the momentum (0 = none).
+  s = c.outer.co2 = ml_collections.ConfigDict()
+  s.learning_rate = 1.0  # Outer learning rate.
+  s.momentum = 0.5  # Outer momentum.
+  s.staleness_penalty = 1.0  # lambda.
+  s.clip = 1.0  # Element-wise clip of the momentum (0 = none).
 
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the

@@ -1,6 +1,5 @@
 """Helpers shared by the inner-optimizer and schedule experiment programs."""
 
-import copy
 import json
 import os
 import pathlib
@@ -12,14 +11,8 @@ import ml_collections
 def variant(base: ml_collections.ConfigDict,
             **overrides: Any) -> ml_collections.ConfigDict:
   """A copy of ``base`` with dotted fields (``a__b`` for ``a.b``) replaced."""
-  c = copy.deepcopy(base)
-  for key, value in overrides.items():
-    *parents, leaf = key.split('__')
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
+  return cfg_lib.with_overrides(base, overrides, sep='__')
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,

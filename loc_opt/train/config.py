@@ -9,6 +9,7 @@ a ``ValueError`` that names the bad field. Per-method sections
 """
 
 from collections.abc import Callable, Mapping
+import copy
 import json
 from typing import Any
 
@@ -37,6 +38,24 @@ def plain(value: Any) -> Any:
   if isinstance(value, ml_collections.ConfigDict):
     return value.to_dict()
   return value
+
+
+def with_overrides(config: ml_collections.ConfigDict,
+                   overrides: Mapping[str, Any], *, sep: str = '.'
+                   ) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with the fields ``overrides`` names replaced.
+
+  Keys are dotted paths (``'outer.sync_every'``; ``sep`` sets the
+  separator, e.g. ``'__'`` for keyword arguments).
+  """
+  out = copy.deepcopy(config)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(sep)
+    node = out
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return out
 
 
 def section(config: ml_collections.ConfigDict, name: str

@@ -79,8 +79,10 @@ def _start(exp, ckpt, config, config_json, branch, progress):
 class _Logger:
   """Train metrics, evaluation and progress at the configured steps."""
 
-  def __init__(self, exp, workdir, start, eval_batches, progress):
-    self.exp, self.config = exp, exp.config
+  def __init__(self, exp, config, workdir, start, eval_batches, progress):
+    # The run's own config: run-control fields (logging, evaluation) may
+    # differ from those of the cached experiment's.
+    self.exp, self.config = exp, config
     self.writer = metrics_lib.MetricWriter(workdir, resume_step=start)
     self.eval_batches, self.progress = eval_batches, progress
     self.tokens_per_step = self.config.batch_size * self.config.data.seq_len
@@ -123,9 +125,10 @@ class _Logger:
     self.last_time, self.last_step = time.perf_counter(), step
 
 
-def _run_steps(exp, state, counters, data, logger, ckpt, config_json):
+def _run_steps(exp, config, state, counters, data, logger, ckpt,
+               config_json):
   """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
-  config, programs = exp.config, exp.programs
+  programs = exp.programs
   position = int(jax.device_get(state['data_position']))
   halt_after = config.get('halt_after_steps', 0) or 0
   start = counters.step
@@ -150,9 +153,10 @@ def _run_steps(exp, state, counters, data, logger, ckpt, config_json):
   return state
 
 
-def _summary(exp, counters, logger, workdir, compile_s) -> dict[str, Any]:
+def _summary(exp, config, counters, logger, workdir, compile_s
+             ) -> dict[str, Any]:
   """The end-of-run summary (written to ``summary.json``)."""
-  config, nbytes = exp.config, exp.programs.bytes_per_step
+  nbytes = exp.programs.bytes_per_step
   records = metrics_lib.read_metrics(workdir)
   evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
   dp_step = (nbytes[exp.plan.inner] if not exp.method.per_worker else
@@ -235,10 +239,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   # resumed or branched run continues them exactly; the input position is
   # in the state, so the data order resumes exactly too.
   counters = _counters(exp, state, start)
-  logger = _Logger(exp, workdir, start,
+  logger = _Logger(exp, config, workdir, start,
                    data.eval_batches(config.eval_batches), progress)
   try:
-    state = _run_steps(exp, state, counters, data, logger, ckpt, config_json)
+    state = _run_steps(exp, config, state, counters, data, logger, ckpt,
+                       config_json)
   except KeyboardInterrupt:
     progress.message(f'interrupted at step {counters.step}; saving a '
                      'checkpoint')
@@ -249,7 +254,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   ckpt.close()
   summary = {'step': counters.step, 'finished': False}
   if counters.step >= config.num_steps:
-    summary = _summary(exp, counters, logger, workdir, compile_s)
+    summary = _summary(exp, config, counters, logger, workdir, compile_s)
     _write_json(workdir / 'summary.json', summary)
   summary['state'] = state
   return summary

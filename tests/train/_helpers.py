@@ -4,9 +4,12 @@ import jax
 import numpy as np
 
 from configs import diloco_lm
+from loc_opt.train import config as cfg_lib
 
 
 def tiny_config(data_dir, **overrides):
+  """The default config shrunk to a 1-block LM on short sequences (H = 4);
+  ``overrides`` maps dotted fields to values."""
   c = diloco_lm.get_config()
   c.num_steps = 12
   c.batch_size = 16
@@ -25,14 +28,9 @@ def tiny_config(data_dir, **overrides):
   c.data.max_bytes = 300_000
   c.data.data_dir = data_dir
   c.outer.sync_every = 4
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return cfg_lib.with_overrides(c, overrides)
 
 
 def leaves(tree):
+  """The leaves of ``tree`` as NumPy arrays."""
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
