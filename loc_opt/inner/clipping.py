@@ -13,7 +13,7 @@ Each piece is an Optax ``GradientTransformation`` usable on its own:
 
 The array-level rules (:func:`spike_clip`, :func:`max_ema_clip`,
 :func:`norm_ema_rescale`) are shared with the fused optimizers in
-:mod:`loc_opt.inner.spike_aware`.
+:mod:`loc_opt.inner.spam`.
 
 References:
   Huang, Zhu, Jin, Liu, Wang, Liu, *SPAM: Spike-Aware Adam with Momentum

@@ -10,23 +10,19 @@ import pytest
 
 import loc_opt
 from loc_opt import parallel
-from loc_opt.inner import orthonormal as dion_lib
-from loc_opt.inner import layer_dropout as drop_muon_lib
-from loc_opt.inner import lowrank_residual as fira_lib
-from loc_opt.inner import subspace as frugal_lib
-from loc_opt.inner import matrix
-from loc_opt.inner import whitening as swan_lib
+from loc_opt import inner
+from loc_opt.inner import _matrix
 from tests import optax_conformance as conf
 
 # Small variants that exercise the low-rank and periodic paths on the
 # conformance tree ({'w': (4, 3), 'b': (3,)}).
 MAKERS = {
-    'swan': swan_lib.swan,
-    'frugal': functools.partial(frugal_lib.frugal, update_gap=2,
+    'swan': inner.swan,
+    'frugal': functools.partial(inner.frugal, update_gap=2,
                                 projector='columns', rank=2),
-    'fira': functools.partial(fira_lib.fira, update_proj_gap=2, rank=2),
-    'dion': functools.partial(dion_lib.dion, rank=2),
-    'drop_muon': drop_muon_lib.drop_muon,
+    'fira': functools.partial(inner.fira, update_proj_gap=2, rank=2),
+    'dion': functools.partial(inner.dion, rank=2),
+    'drop_muon': inner.drop_muon,
 }
 
 # Test data come from NumPy: compiling JAX's PRNG for every test is slow.
@@ -97,18 +93,18 @@ def test_conformance(name, tmp_path):
 def test_every_numeric_hyperparameter_can_be_injected():
   # eval_shape traces init like jax.jit does: injected values are tracers.
   params = _tree({'w': (4, 3), 'b': (3,)}, 0)
-  cases = [(swan_lib.swan, {}, ()),
-           (frugal_lib.frugal, {}, ()),
-           (frugal_lib.frugal, dict(projector='svd', rank=2), ('rank',)),
-           (fira_lib.fira, dict(rank=2), ('rank',)),
-           (dion_lib.dion, dict(rank=2), ('rank',)),
-           (drop_muon_lib.drop_muon, {}, ())]
+  cases = [(inner.swan, {}, ()),
+           (inner.frugal, {}, ()),
+           (inner.frugal, dict(projector='svd', rank=2), ('rank',)),
+           (inner.fira, dict(rank=2), ('rank',)),
+           (inner.dion, dict(rank=2), ('rank',)),
+           (inner.drop_muon, {}, ())]
   for factory, kw, static in cases:
     tx = optax.inject_hyperparams(factory, static_args=static)(
         learning_rate=0.1, **kw)
     state = jax.eval_shape(tx.init, params)
     jax.eval_shape(tx.update, params, state, params)
-  tx = optax.inject_hyperparams(fira_lib.fira)(learning_rate=0.1, rank=2)
+  tx = optax.inject_hyperparams(inner.fira)(learning_rate=0.1, rank=2)
   with pytest.raises(ValueError, match=r"static_args=\('rank',\)"):
     jax.eval_shape(tx.init, params)
 
@@ -128,7 +124,7 @@ def test_trees_without_matrices_or_without_vectors(name):
 
 
 def _swan(g, **kw):
-  tx = swan_lib.scale_by_swan(**kw)
+  tx = inner.scale_by_swan(**kw)
   return jax.jit(tx.update)({'w': g}, tx.init({'w': g}))[0]['w']
 
 
@@ -172,7 +168,7 @@ def test_swan_is_polar_factor_of_standardized_gradient():
 def test_swan_fallback_and_quintic():
   params = {'w': np.ones((6, 3), np.float32), 'b': np.ones(3, np.float32)}
   grads = {'w': _normal((6, 3), 3), 'b': np.array([1.0, -2.0, 0.5])}
-  tx = swan_lib.scale_by_swan(whitening='quintic',
+  tx = inner.scale_by_swan(whitening='quintic',
                               fallback=optax.scale_by_sign())
   u, _ = jax.jit(tx.update)(grads, tx.init(params))
   np.testing.assert_array_equal(u['b'], [1.0, -1.0, 1.0])
@@ -185,7 +181,7 @@ def test_swan_fallback_and_quintic():
 
 def test_frugal_full_subspace_is_adam():
   params, grads = _tree(MANY, 0), _tree(MANY, 10, (7,))
-  tx = frugal_lib.frugal(1e-2, density=1.0, update_gap=3)
+  tx = inner.frugal(1e-2, density=1.0, update_gap=3)
   got, state, _, _ = _run(tx, params, grads)
   want, _, _, _ = _run(optax.adam(1e-2), params, grads)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
@@ -195,7 +191,7 @@ def test_frugal_full_subspace_is_adam():
 def test_frugal_empty_subspace_is_sign_sgd():
   # (The SGD state-free rule is checked in the SVD test below.)
   params, grads = _tree(MANY, 0), _tree(MANY, 10, (3,))
-  tx = frugal_lib.frugal(0.1, density=0.0, free_scale=0.5)
+  tx = inner.frugal(0.1, density=0.0, free_scale=0.5)
   _, state, updates, _ = _run(tx, params, grads)
   for k in ('a', 'c', 'e'):
     np.testing.assert_allclose(updates[k], -0.05 * np.sign(grads[k]))
@@ -204,7 +200,7 @@ def test_frugal_empty_subspace_is_sign_sgd():
 
 def test_frugal_blockwise_picks_density_of_leaves_per_period():
   params, grads = _tree(MANY, 0), _tree(MANY, 10, (9,))
-  tx = frugal_lib.scale_by_frugal(density=0.5, update_gap=3)
+  tx = inner.scale_by_frugal(density=0.5, update_gap=3)
   _, _, _, states = _run(tx, params, grads)
   active = np.stack(jax.tree.leaves(_core(states).active), axis=1)  # (9, 3)
   picks = [tuple(row) for row in active]
@@ -217,7 +213,7 @@ def test_frugal_svd_splits_subspace_and_residual():
   # The (5, 3) leaf is tall: the basis spans r directions of the 3 columns.
   params, grads = {'w': np.zeros((5, 3), np.float32)}, _tree({'w': (5, 3)},
                                                                1, (4,))
-  tx = frugal_lib.scale_by_frugal(projector='svd', rank=1, free_scale=0.3,
+  tx = inner.scale_by_frugal(projector='svd', rank=1, free_scale=0.3,
                                   free_update='sgd', update_gap=2)
   _, state, updates, states = _run(tx, params, grads)
   bases = np.asarray(_core(states).basis['w'])  # (4, 3, 1)
@@ -243,7 +239,7 @@ def test_fira_full_rank_is_adam_in_rotated_coordinates():
   # A tall leaf (projected on the right) and a wide one (on the left).
   shapes = {'t': (4, 3), 'w': (3, 5), 'b': (3,)}
   params, grads = _tree(shapes, 0), _tree(shapes, 2, (5,))
-  tx = fira_lib.scale_by_fira(update_proj_gap=1000, scale=1.0, eps=1e-12,
+  tx = inner.scale_by_fira(update_proj_gap=1000, scale=1.0, eps=1e-12,
                               rank=8)
   _, _, updates, states = _run(tx, params, grads)
   core = _core(states)
@@ -268,7 +264,7 @@ def test_fira_low_rank_residual_and_compat_mode():
   params, g = {'w': np.zeros((6, 4), np.float32)}, {'w': _normal((6, 4), 4)}
 
   def first_update(**kw):
-    tx = fira_lib.scale_by_fira(update_proj_gap=10, rank=1, **kw)
+    tx = inner.scale_by_fira(update_proj_gap=10, rank=1, **kw)
     return jax.jit(tx.update)(g, tx.init(params))
 
   u_clean, state = first_update(scale=0.25)
@@ -296,14 +292,14 @@ def test_fira_low_rank_residual_and_compat_mode():
 def test_fira_limiter_caps_residual_growth():
   params = {'w': np.zeros((6, 4), np.float32)}
   g0 = _normal((6, 4), 5)
-  q = np.asarray(matrix.top_right_singular_vectors(g0, 1))  # Step 0 basis.
+  q = np.asarray(_matrix.top_right_singular_vectors(g0, 1))  # Step 0 basis.
   # Grow only the part outside the (fixed) subspace: R, N and phi stay put
   # while the raw residual grows tenfold per step.
   e = _normal((6, 4), 6)
   e = e - e @ q @ q.T
   grads = {'w': np.stack([g0 + (10.0 ** i if i else 0.0) * e
                           for i in range(4)])}
-  tx = fira_lib.scale_by_fira(update_proj_gap=1000, rank=1,
+  tx = inner.scale_by_fira(update_proj_gap=1000, rank=1,
                               limiter_gamma=1.01)
   _, _, _, states = _run(tx, params, grads)
   norms = np.asarray(_core(states).residual_norm['w'])
@@ -318,7 +314,7 @@ def test_dion_rank_r_gradient_gives_orthonormal_basis_of_its_spaces():
   right = np.linalg.qr(_normal((6, 2), 8))[0]
   g = (left @ np.diag([3.0, 1.0]) @ right.T).astype(np.float32)  # Rank 2.
   params = {'w': np.zeros((8, 6), np.float32)}
-  tx = dion_lib.scale_by_dion(rank=2)
+  tx = inner.scale_by_dion(rank=2)
   _, state, updates, _ = _run(tx, params, {'w': np.stack([g] * 8)})
   core = _core(state)
   assert core.basis['w'].shape == (8, 2) and core.momentum['w'].shape == (8, 6)
@@ -340,10 +336,10 @@ def test_dion_rank_r_gradient_gives_orthonormal_basis_of_its_spaces():
 def test_dion_rank_and_orientation():
   shapes = {'a': (3, 7), 'c': (2, 3, 5), 'b': (3,)}
   params = _tree(shapes, 0)
-  core = _core(dion_lib.scale_by_dion(rank=2).init(params))
+  core = _core(inner.scale_by_dion(rank=2).init(params))
   assert core.basis['a'].shape == (3, 2)
   assert core.basis['c'].shape == (6, 2)
-  tx = dion_lib.scale_by_dion(rank_fraction=0.5)
+  tx = inner.scale_by_dion(rank_fraction=0.5)
   core = _core(tx.init(params))
   assert core.basis['a'].shape == (3, 2) and core.basis['c'].shape == (6, 3)
   updates, _ = jax.jit(tx.update)(_tree(shapes, 1), tx.init(params))
@@ -356,7 +352,7 @@ def test_dion_rank_and_orientation():
 def test_drop_muon_without_drops_is_muon():
   shapes = {k: v for k, v in MANY.items() if k != 'e'}  # Muon: 2-D only.
   params, grads = _tree(shapes, 0), _tree(shapes, 10, (5,))
-  tx = drop_muon_lib.drop_muon(0.02, drop_prob=0.0, sampler='bernoulli')
+  tx = inner.drop_muon(0.02, drop_prob=0.0, sampler='bernoulli')
   got, _, _, _ = _run(tx, params, grads)
   want, _, _, _ = _run(optax.contrib.muon(0.02), params, grads)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
@@ -364,7 +360,7 @@ def test_drop_muon_without_drops_is_muon():
 
 def test_drop_muon_bernoulli_fraction_and_frozen_layers():
   params, grads = _tree(MANY, 0), _tree(MANY, 10)
-  tx = drop_muon_lib.scale_by_drop_muon(drop_prob=0.3, sampler='bernoulli')
+  tx = inner.scale_by_drop_muon(drop_prob=0.3, sampler='bernoulli')
 
   @jax.jit
   def run(params, grads):
@@ -390,7 +386,7 @@ def test_drop_muon_bernoulli_fraction_and_frozen_layers():
 def test_drop_muon_progressive_activates_suffixes():
   shapes = {'l0': (3, 3), 'l1': (3, 3), 'l2': (3, 3), 'l2_bias': (3,)}
   layers = {'l0': 0, 'l1': 1, 'l2': 2, 'l2_bias': 2}
-  tx = drop_muon_lib.scale_by_drop_muon(layers=layers)
+  tx = inner.scale_by_drop_muon(layers=layers)
   grads = jax.tree.map(lambda x: np.broadcast_to(x, (300,) + x.shape),
                        _tree(shapes, 1))
   _, _, _, states = _run(tx, _tree(shapes, 0), grads)
@@ -403,13 +399,13 @@ def test_drop_muon_progressive_activates_suffixes():
 # Descent on least squares.
 
 DESCENT = {
-    'swan': functools.partial(swan_lib.swan, 0.1),
-    'frugal': functools.partial(frugal_lib.frugal, 0.1, density=0.5,
+    'swan': functools.partial(inner.swan, 0.1),
+    'frugal': functools.partial(inner.frugal, 0.1, density=0.5,
                                 update_gap=10, projector='svd'),
-    'fira': functools.partial(fira_lib.fira, 0.2, rank=2,
+    'fira': functools.partial(inner.fira, 0.2, rank=2,
                               update_proj_gap=10),
-    'dion': functools.partial(dion_lib.dion, 0.1, rank=2),
-    'drop_muon': functools.partial(drop_muon_lib.drop_muon, 0.1),
+    'dion': functools.partial(inner.dion, 0.1, rank=2),
+    'drop_muon': functools.partial(inner.drop_muon, 0.1),
 }
 
 
@@ -471,7 +467,7 @@ def test_swan_newton_schulz_runs_inside_the_worker_shard_map():
   """The Newton-Schulz loop carries an identity that must be typed as
   varying over the worker axis like the gradient it multiplies."""
   mesh = parallel.make_worker_mesh(4, data=2)
-  tx = loc_opt.diloco(swan_lib.swan(1e-2), sync_every=2)
+  tx = loc_opt.diloco(inner.swan(1e-2), sync_every=2)
   params = {'w': jnp.ones((4, 16, 8)), 'b': jnp.zeros((4, 8))}
   sharding = jax.NamedSharding(mesh, jax.P('worker'))
   params = jax.device_put(params, sharding)

@@ -1,4 +1,4 @@
-"""Tests of SPAM, Stable-SPAM and their pieces (loc_opt.inner.spike_aware, clipping).
+"""Tests of SPAM, Stable-SPAM and their pieces (loc_opt.inner.spam, clipping).
 
 Conformance, equivalences with simpler methods when features are off,
 literal NumPy transcriptions of the reference algorithms, the spec's test
@@ -16,8 +16,8 @@ import pytest
 
 import loc_opt
 from loc_opt import parallel
+from loc_opt import inner as spam_lib
 from loc_opt.inner import clipping
-from loc_opt.inner import spike_aware as spam_lib
 from tests import optax_conformance as conf
 
 INF = float('inf')

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt.inner import _matrix
 
 NormOver = Literal['fan_in', 'fan_out']
 
@@ -17,17 +17,17 @@ def _swan_direction(
     ns_steps: jax.typing.ArrayLike,
     damping: jax.typing.ArrayLike,
     *,
-    whitening: matrix.Whitening,
+    whitening: _matrix.Whitening,
     norm_over: NormOver,
     rescale: bool,
 ) -> jax.Array:
   norm_axis = 0 if norm_over == 'fan_in' else 1
-  x = matrix.as_matrix(g).astype(jnp.float32)
+  x = _matrix.as_matrix(g).astype(jnp.float32)
   mean = jnp.mean(x, axis=norm_axis, keepdims=True)
   std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=norm_axis,
                           keepdims=True))
   x = (x - mean) / (std + eps)
-  w = matrix.polar_factor(x, method=whitening, steps=ns_steps,
+  w = _matrix.polar_factor(x, method=whitening, steps=ns_steps,
                           damping=damping)
   # Exactly, w has zero mean along norm_axis like x; re-centering removes the
   # rounding noise that the damped inverse amplifies in that null direction.
@@ -45,16 +45,16 @@ def scale_by_swan(
     adam_b2: jax.typing.ArrayLike = 0.999,
     adam_eps: jax.typing.ArrayLike = 1e-8,
     *,
-    whitening: matrix.Whitening = 'newton_schulz',
+    whitening: _matrix.Whitening = 'newton_schulz',
     norm_over: NormOver = 'fan_in',
     rescale: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""SWAN's update direction: GradNorm then GradWhitening on matrix leaves.
 
   For a matrix leaf viewed as :math:`G \in \mathbb{R}^{m \times n}`
-  (``(fan_in, fan_out)``, see :func:`loc_opt.inner.matrix.as_matrix`):
+  (``(fan_in, fan_out)``, see :func:`loc_opt.inner._matrix.as_matrix`):
 
   .. math::
 
@@ -91,7 +91,7 @@ def scale_by_swan(
     rescale: multiply :math:`\Delta` by
       :math:`\|\tilde G\|_F/\|\Delta\|_F` (an option some descriptions use).
     fallback: transform for non-matrix leaves (default ``scale_by_adam``).
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves are matrices (see ``_matrix.matrix_labels``).
 
   Returns:
     A ``GradientTransformation``.
@@ -123,11 +123,11 @@ def scale_by_swan(
         updates)
     return updates, state
 
-  core = matrix.gathered(
+  core = _matrix.gathered(
       optax.GradientTransformation(optax.init_empty_state, update_fn))
   if fallback is None:
-    fallback = matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+    fallback = _matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
+  return _matrix.split_by_kind(core, fallback, matrix_mask)
 
 
 def swan(
@@ -141,11 +141,11 @@ def swan(
     weight_decay: jax.typing.ArrayLike = 0.0,
     mask: Any | None = None,
     *,
-    whitening: matrix.Whitening = 'newton_schulz',
+    whitening: _matrix.Whitening = 'newton_schulz',
     norm_over: NormOver = 'fan_in',
     rescale: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """SWAN: :func:`scale_by_swan`, decoupled weight decay, learning rate.
 

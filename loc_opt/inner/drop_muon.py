@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt.inner import _matrix
 
 Sampler = Literal['progressive', 'bernoulli']
 
@@ -152,7 +152,7 @@ def _scale_by_width() -> optax.GradientTransformation:
     del params
 
     def scale(u):
-      fan_in, fan_out = matrix.matrix_shape(u.shape)
+      fan_in, fan_out = _matrix.matrix_shape(u.shape)
       return u * math.sqrt(max(1.0, fan_out / fan_in))
 
     return jax.tree.map(scale, updates), state
@@ -173,7 +173,7 @@ def scale_by_drop_muon(
     adam_b1: jax.typing.ArrayLike = 0.9,
     adam_b2: jax.typing.ArrayLike = 0.999,
     *,
-    ns_coeffs: Sequence[float] = matrix.MUON_NS_COEFFS,
+    ns_coeffs: Sequence[float] = _matrix.MUON_NS_COEFFS,
     nesterov: bool = True,
     mu_dtype: Any = None,
     sampler: Sampler = 'progressive',
@@ -181,7 +181,7 @@ def scale_by_drop_muon(
     layers: Any | Callable[[Any], Any] | None = None,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""Drop-Muon's direction: Muon on the sampled layers, nothing elsewhere.
 
@@ -220,7 +220,7 @@ def scale_by_drop_muon(
     layers: layer ids of the leaves; see :func:`sampled_layers`.
     seed: seed of the sampler's key.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves are matrices (see ``_matrix.matrix_labels``).
 
   Returns:
     A ``GradientTransformation``.
@@ -236,16 +236,16 @@ def scale_by_drop_muon(
     Faster`, 2025.
   """
   muon = optax.chain(
-      matrix.gathered(optax.contrib.scale_by_muon(
+      _matrix.gathered(optax.contrib.scale_by_muon(
           ns_coeffs=tuple(ns_coeffs), ns_steps=ns_steps, beta=beta, eps=eps,
           mu_dtype=mu_dtype, nesterov=nesterov,
           weight_dimension_numbers=_dimension_numbers)),
       _scale_by_width())
   if fallback is None:
-    fallback = matrix.adam_fallback(adam_b1, adam_b2, eps, nesterov=nesterov)
+    fallback = _matrix.adam_fallback(adam_b1, adam_b2, eps, nesterov=nesterov)
   return sampled_layers(
-      {matrix.MATRIX: muon, matrix.OTHER: fallback},
-      lambda params: matrix.matrix_labels(params, matrix_mask),
+      {_matrix.MATRIX: muon, _matrix.OTHER: fallback},
+      lambda params: _matrix.matrix_labels(params, matrix_mask),
       drop_prob, sampler=sampler, start_probs=start_probs, layers=layers,
       seed=seed)
 
@@ -261,7 +261,7 @@ def drop_muon(
     weight_decay: jax.typing.ArrayLike = 0.0,
     mask: Any | None = None,
     *,
-    ns_coeffs: Sequence[float] = matrix.MUON_NS_COEFFS,
+    ns_coeffs: Sequence[float] = _matrix.MUON_NS_COEFFS,
     nesterov: bool = True,
     mu_dtype: Any = None,
     sampler: Sampler = 'progressive',
@@ -269,7 +269,7 @@ def drop_muon(
     layers: Any | Callable[[Any], Any] | None = None,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """Drop-Muon: :func:`scale_by_drop_muon`, weight decay, learning rate.
 

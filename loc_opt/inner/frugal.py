@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt.inner import _matrix
 
 Projector = Literal['blockwise', 'columns', 'random', 'svd']
 FreeUpdate = Literal['sign', 'sgd']
@@ -52,14 +52,14 @@ def _core(
     leaves, treedef = jax.tree.flatten(params)
 
     def leaf_state(p):
-      m, n = matrix.matrix_shape(p.shape)
+      m, n = _matrix.matrix_shape(p.shape)
       if projector == 'blockwise':
         return None, jnp.zeros(p.shape, jnp.float32)
       big, small = max(m, n), min(m, n)
       if rank is not None:
-        r = matrix.static_number(rank, 'rank')
+        r = _matrix.static_number(rank, 'rank')
       else:
-        r = round(matrix.static_number(density, 'density', float) * small)
+        r = round(_matrix.static_number(density, 'density', float) * small)
       r = min(max(r, 1), small)
       return (jnp.zeros((small, r), jnp.float32),
               jnp.zeros((big, r), jnp.float32))
@@ -95,14 +95,14 @@ def _core(
 
   def projected_leaf(g, refresh, key, basis, mu, nu, c):
     """Adam on the projection on ``basis``, state-free on the rest."""
-    gm = matrix.as_matrix(g).astype(jnp.float32)
+    gm = _matrix.as_matrix(g).astype(jnp.float32)
     transposed = gm.shape[0] < gm.shape[1]
     gc = gm.T if transposed else gm  # Tall: (big, small).
     small, r = basis.shape
     new_basis = {
-        'svd': lambda: matrix.top_right_singular_vectors(gc, r),
-        'random': lambda: matrix.random_orthonormal(key, small, r),
-        'columns': lambda: matrix.random_coordinates(key, small, r),
+        'svd': lambda: _matrix.top_right_singular_vectors(gc, r),
+        'random': lambda: _matrix.random_orthonormal(key, small, r),
+        'columns': lambda: _matrix.random_coordinates(key, small, r),
     }[projector]
     basis = jax.lax.cond(refresh, new_basis, lambda: basis)
     if reset_on_refresh:
@@ -165,7 +165,7 @@ def scale_by_frugal(
     reset_on_refresh: bool = True,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""FRUGAL's direction: state-full Adam in a subspace, state-free outside.
 
@@ -219,7 +219,7 @@ def scale_by_frugal(
     reset_on_refresh: reset moments when the subspace changes.
     seed: seed of the PRNG key kept in the state.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves are matrices (see ``_matrix.matrix_labels``).
 
   Returns:
     A ``GradientTransformation``.
@@ -239,13 +239,13 @@ def scale_by_frugal(
     raise ValueError(f'unknown projector {projector!r}')
   if free_update not in ('sign', 'sgd'):
     raise ValueError(f'unknown free_update {free_update!r}')
-  core = matrix.gathered(_core(
+  core = _matrix.gathered(_core(
       density, update_gap, b1, b2, eps, free_scale, projector=projector,
       rank=rank, free_update=free_update, reset_on_refresh=reset_on_refresh,
       seed=seed))
   if fallback is None:
-    fallback = matrix.adam_fallback(b1, b2, eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+    fallback = _matrix.adam_fallback(b1, b2, eps)
+  return _matrix.split_by_kind(core, fallback, matrix_mask)
 
 
 def frugal(
@@ -265,7 +265,7 @@ def frugal(
     reset_on_refresh: bool = True,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """FRUGAL: :func:`scale_by_frugal`, decoupled weight decay, learning rate.
 
