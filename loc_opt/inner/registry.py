@@ -19,7 +19,7 @@ from loc_opt.inner.fira import fira
 from loc_opt.inner.frugal import frugal
 from loc_opt.inner.multi_timescale import multi_timescale_adam
 from loc_opt.inner.spam import spam
-from loc_opt.inner.spam import stable_spam
+from loc_opt.inner.stable_spam import stable_spam
 from loc_opt.inner.swan import swan
 from loc_opt.schedules import schedule_free as _schedule_free
 
