@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt.inner import _matrix
 
 
@@ -25,13 +26,11 @@ def _rank_for(shape, rank, rank_fraction):
   small = min(fan_in, fan_out)
   if rank_fraction is not None:
     fraction = _matrix.static_number(rank_fraction, 'rank_fraction', float)
-    if not 0 < fraction <= 1:
-      raise ValueError(f'rank_fraction must be in (0, 1], got {fraction}')
+    fraction = _checks.in_interval(fraction, 'rank_fraction', 0, 1,
+                                   closed='right')
     r = math.ceil(fraction * small)
   else:
-    r = _matrix.static_number(rank, 'rank')
-    if r < 1:
-      raise ValueError(f'rank must be >= 1, got {r}')
+    r = _checks.positive_int(_matrix.static_number(rank, 'rank'), 'rank')
   return min(r, small)
 
 
@@ -133,7 +132,9 @@ def scale_by_dion(
     seed: seed of the initial ``Q``.
     mu_dtype: dtype of the momentum ``M``; None means float32.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``_matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -147,12 +148,11 @@ def scale_by_dion(
   References:
     Ahn et al., `Dion: Distributed Orthonormalized Updates`, 2025.
   """
-  core = _matrix.gathered(_core(mu, eps, rank=rank,
-                               rank_fraction=rank_fraction, seed=seed,
-                               mu_dtype=mu_dtype or jnp.float32))
-  if fallback is None:
-    fallback = _matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
-  return _matrix.split_by_kind(core, fallback, matrix_mask)
+  core = _core(mu, eps, rank=rank, rank_fraction=rank_fraction, seed=seed,
+               mu_dtype=mu_dtype or jnp.float32)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, adam_b1, adam_b2, adam_eps),
+      matrix_mask)
 
 
 def dion(

@@ -11,6 +11,7 @@ from typing import Any
 
 import optax
 
+from loc_opt import _checks
 # Each algorithm's module is shadowed in `loc_opt.inner` by the function of
 # the same name, so the functions are imported from the modules.
 from loc_opt.inner.dion import dion
@@ -92,7 +93,5 @@ def make_optimizer(
     raise ValueError(f'bad hyperparameters for optimizer {name!r}: {e}') from e
   if grad_clip_norm is None or grad_clip_norm == 0:
     return tx
-  if grad_clip_norm < 0:
-    raise ValueError(f'optimizer.grad_clip_norm must be > 0, got '
-                     f'{grad_clip_norm}')
+  _checks.positive_float(grad_clip_norm, 'optimizer.grad_clip_norm')
   return optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)

@@ -1,11 +1,13 @@
 """SWAN: SGD with gradient normalization and whitening (stateless)."""
 
+import typing
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt.inner import _matrix
 
 NormOver = Literal['fan_in', 'fan_out']
@@ -28,7 +30,7 @@ def _swan_direction(
                           keepdims=True))
   x = (x - mean) / (std + eps)
   w = _matrix.polar_factor(x, method=whitening, steps=ns_steps,
-                          damping=damping)
+                           damping=damping)
   # Exactly, w has zero mean along norm_axis like x; re-centering removes the
   # rounding noise that the damped inverse amplifies in that null direction.
   w = w - jnp.mean(w, axis=norm_axis, keepdims=True)
@@ -54,7 +56,8 @@ def scale_by_swan(
   r"""SWAN's update direction: GradNorm then GradWhitening on matrix leaves.
 
   For a matrix leaf viewed as :math:`G \in \mathbb{R}^{m \times n}`
-  (``(fan_in, fan_out)``, see :func:`loc_opt.inner._matrix.as_matrix`):
+  (``(fan_in, fan_out)``: a leaf of shape ``(d_1, ..., d_k)`` is the matrix
+  ``(d_1 ... d_{k-1}, d_k)``):
 
   .. math::
 
@@ -91,7 +94,9 @@ def scale_by_swan(
     rescale: multiply :math:`\Delta` by
       :math:`\|\tilde G\|_F/\|\Delta\|_F` (an option some descriptions use).
     fallback: transform for non-matrix leaves (default ``scale_by_adam``).
-    matrix_mask: which leaves are matrices (see ``_matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -107,11 +112,8 @@ def scale_by_swan(
     Ma, Gong, Scetbon, Meeds, `SWAN: SGD with Normalization and Whitening
     Enables Stateless LLM Training`, 2024 (ICML 2025).
   """
-  if norm_over not in ('fan_in', 'fan_out'):
-    raise ValueError(f"norm_over must be 'fan_in' or 'fan_out', got "
-                     f'{norm_over!r}')
-  if whitening not in ('newton_schulz', 'exact', 'quintic'):
-    raise ValueError(f'unknown whitening {whitening!r}')
+  _checks.one_of(norm_over, 'norm_over', typing.get_args(NormOver))
+  _checks.one_of(whitening, 'whitening', typing.get_args(_matrix.Whitening))
 
   @jax.jit  # Eager callers run one compiled update, not op by op.
   def update_fn(updates, state, params=None):
@@ -123,11 +125,10 @@ def scale_by_swan(
         updates)
     return updates, state
 
-  core = _matrix.gathered(
-      optax.GradientTransformation(optax.init_empty_state, update_fn))
-  if fallback is None:
-    fallback = _matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
-  return _matrix.split_by_kind(core, fallback, matrix_mask)
+  core = optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, adam_b1, adam_b2, adam_eps),
+      matrix_mask)
 
 
 def swan(

@@ -67,8 +67,7 @@ def test_swan_is_polar_factor_of_standardized_gradient():
 def test_swan_fallback_and_quintic():
   params = {'w': np.ones((6, 3), np.float32), 'b': np.ones(3, np.float32)}
   grads = {'w': helpers.normal((6, 3), 3), 'b': np.array([1.0, -2.0, 0.5])}
-  tx = scale_by_swan(whitening='quintic',
-                              fallback=optax.scale_by_sign())
+  tx = scale_by_swan(whitening='quintic', fallback=optax.scale_by_sign())
   u, _ = jax.jit(tx.update)(grads, tx.init(params))
   np.testing.assert_array_equal(u['b'], [1.0, -1.0, 1.0])
   s = np.linalg.svd(np.asarray(u['w']), compute_uv=False)
