@@ -3,7 +3,8 @@
 One place for the checks that transforms, schedules and codecs run on their
 static arguments, so that the same mistake gets the same message everywhere.
 Each check returns the value it accepted (converted to a Python scalar where
-that is unambiguous) or raises a ``ValueError`` that names the argument.
+that is unambiguous) or raises a ``ValueError`` that names the argument
+(:func:`static` raises the type its caller asks for).
 
 This module is at the bottom of the package: it imports only NumPy and JAX.
 """
@@ -98,6 +99,26 @@ def one_of(value: Any, name: str, choices: Any) -> Any:
   if value not in tuple(choices):
     raise ValueError(
         f'{name} must be one of {sorted(map(repr, choices))}, got {value!r}')
+  return value
+
+
+def static(value: Any, name: str, *,
+           error: type[Exception] = ValueError) -> Any:
+  """``value`` if it is not traced, for an argument that sets a shape.
+
+  Args:
+    value: the argument.
+    name: its name, for the message.
+    error: the exception type to raise.
+
+  Raises:
+    ``error``: ``value`` is traced, e.g. a hyperparameter that
+    ``optax.inject_hyperparams`` injected; the message names the fix,
+    ``static_args=(name,)``.
+  """
+  if _is_traced(value):
+    raise error(f'{name} sets a shape and cannot be traced; with '
+                f'optax.inject_hyperparams pass static_args=({name!r},)')
   return value
 
 

@@ -13,7 +13,7 @@ Each piece is an Optax ``GradientTransformation`` usable on its own:
 
 The array-level rules (:func:`spike_clip`, :func:`max_ema_clip`,
 :func:`norm_ema_rescale`) are shared with the fused optimizers in
-:mod:`loc_opt.inner.spike_aware`.
+:mod:`loc_opt.inner.spam` and :mod:`loc_opt.inner.stable_spam`.
 
 References:
   Huang, Zhu, Jin, Liu, Wang, Liu, *SPAM: Spike-Aware Adam with Momentum
@@ -30,17 +30,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt.inner import _sparse_momentum
+
 ArrayLike = jax.typing.ArrayLike
 
 
 def _zero_count() -> jax.Array:
   return jnp.zeros([], jnp.int32)
-
-
-def _bias_correction(decay: ArrayLike, count: ArrayLike) -> jax.Array:
-  """``1 - decay**count`` in float32."""
-  decay = jnp.asarray(decay, jnp.float32)
-  return 1.0 - decay ** jnp.asarray(count, jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -116,7 +112,7 @@ def max_ema_clip(
   decay = jnp.asarray(decay, jnp.float32)
   peak = jnp.max(jnp.abs(g)) if g.size else jnp.zeros([], jnp.float32)
   max_ema = decay * max_ema + (1.0 - decay) * peak
-  bound = max_ema / _bias_correction(decay, count)
+  bound = max_ema / _sparse_momentum.bias_correction(decay, count)
   ratio = bound / jnp.where(peak > 0, peak, 1.0)
   return jnp.where(jnp.abs(g) > bound, g * ratio, g), max_ema
 
@@ -160,8 +156,8 @@ def norm_ema_rescale(
   norm = jnp.sqrt(jnp.sum(jnp.square(g)))
   norm_mu = b1 * norm_mu + (1.0 - b1) * norm
   norm_nu = b2 * norm_nu + (1.0 - b2) * jnp.square(norm)
-  target = (norm_mu / _bias_correction(b1, count)) / (
-      jnp.sqrt(norm_nu / _bias_correction(b2, count)) + eps)
+  target = (norm_mu / _sparse_momentum.bias_correction(b1, count)) / (
+      jnp.sqrt(norm_nu / _sparse_momentum.bias_correction(b2, count)) + eps)
   scale = jnp.where(norm > 0, target / jnp.where(norm > 0, norm, 1.0), 1.0)
   return g * scale, norm_mu, norm_nu
 

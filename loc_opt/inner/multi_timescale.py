@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loc_opt import _checks
+
 ArrayLike = jax.typing.ArrayLike
 
 
@@ -53,9 +55,9 @@ def _check_betas(slow_betas: Sequence[ArrayLike],
   for beta in slow_betas:
     if isinstance(beta, jax.core.Tracer):
       continue
-    value = np.asarray(beta)
-    if value.ndim or not 0.0 <= float(value) < 1.0:
-      raise ValueError(f'slow_betas must lie in [0, 1), got {beta!r}')
+    if np.ndim(beta):
+      raise ValueError(f'slow_betas must be scalars, got {beta!r}')
+    _checks.in_interval(beta, 'slow_betas', 0, 1, closed='left')
 
 
 def _is_static(x: Any, value: float) -> bool:

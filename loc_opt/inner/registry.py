@@ -11,13 +11,17 @@ from typing import Any
 
 import optax
 
-from loc_opt.inner import layer_dropout as _layer_dropout
-from loc_opt.inner import lowrank_residual as _lowrank_residual
-from loc_opt.inner import multi_timescale as _multi_timescale
-from loc_opt.inner import orthonormal as _orthonormal
-from loc_opt.inner import spike_aware as _spam
-from loc_opt.inner import subspace as _subspace
-from loc_opt.inner import whitening as _whitening
+from loc_opt import _checks
+# Each algorithm's module is shadowed in `loc_opt.inner` by the function of
+# the same name, so the functions are imported from the modules.
+from loc_opt.inner.dion import dion
+from loc_opt.inner.drop_muon import drop_muon
+from loc_opt.inner.fira import fira
+from loc_opt.inner.frugal import frugal
+from loc_opt.inner.multi_timescale import multi_timescale_adam
+from loc_opt.inner.spam import spam
+from loc_opt.inner.stable_spam import stable_spam
+from loc_opt.inner.swan import swan
 from loc_opt.schedules import schedule_free as _schedule_free
 
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
@@ -28,15 +32,15 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'adamw': optax.adamw,
     'lion': optax.lion,
     'adafactor': optax.adafactor,
-    'spam': _spam.spam,
-    'stable_spam': _spam.stable_spam,
-    'swan': _whitening.swan,
-    'frugal': _subspace.frugal,
-    'fira': _lowrank_residual.fira,
-    'dion': _orthonormal.dion,
-    'drop_muon': _layer_dropout.drop_muon,
+    'spam': spam,
+    'stable_spam': stable_spam,
+    'swan': swan,
+    'frugal': frugal,
+    'fira': fira,
+    'dion': dion,
+    'drop_muon': drop_muon,
     # MT-DAO's inner optimizer (slow momenta mixed with the gradient).
-    'multi_timescale_adam': _multi_timescale.multi_timescale_adam,
+    'multi_timescale_adam': multi_timescale_adam,
     # Schedule-free (evaluate at loc_opt.schedules.schedule_free_eval_params).
     'schedule_free_adamw': _schedule_free.schedule_free_adamw,
     'schedule_free_sgd': _schedule_free.schedule_free_sgd,
@@ -89,7 +93,5 @@ def make_optimizer(
     raise ValueError(f'bad hyperparameters for optimizer {name!r}: {e}') from e
   if grad_clip_norm is None or grad_clip_norm == 0:
     return tx
-  if grad_clip_norm < 0:
-    raise ValueError(f'optimizer.grad_clip_norm must be > 0, got '
-                     f'{grad_clip_norm}')
+  _checks.positive_float(grad_clip_norm, 'optimizer.grad_clip_norm')
   return optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)

@@ -1,7 +1,7 @@
-"""Tests of SPAM, Stable-SPAM and their pieces (loc_opt.inner.spike_aware, clipping).
+"""Tests of SPAM (loc_opt.inner.spam) and its sparse momentum.
 
-Conformance, equivalences with simpler methods when features are off,
-literal NumPy transcriptions of the reference algorithms, the spec's test
+Conformance, equivalences with simpler methods when features are off, a
+literal NumPy transcription of the reference algorithm, the spec's test
 vectors (spec §5) and a gradient-spike scenario.
 """
 
@@ -17,42 +17,13 @@ import pytest
 import loc_opt
 from loc_opt import parallel
 from loc_opt.inner import clipping
-from loc_opt.inner import spike_aware as spam_lib
+from loc_opt.inner.spam import scale_by_spam
+from loc_opt.inner.spam import spam
+from loc_opt.inner.spam import spam_warmup_factor
 from tests import optax_conformance as conf
+from tests.inner import _helpers as helpers
 
 INF = float('inf')
-
-
-def random_grads(params, steps, seed=0, spikes=()):
-  """A list of random gradient trees; steps in ``spikes`` are scaled 30x."""
-  out = []
-  for i in range(steps):
-    g = conf.example_grads(params, 1000 * seed + i)
-    if i in spikes:
-      g = jax.tree.map(lambda x: 30.0 * x, g)
-    out.append(g)
-  return out
-
-
-def run_updates(tx, params, grads, state=None):
-  """Applies ``tx`` to each gradient at fixed params; returns the updates.
-
-  Runs eagerly: for a few steps that is cheaper than compiling each
-  transform, and the conformance suite checks that jit agrees.
-  """
-  state = tx.init(params) if state is None else state
-  step = tx.update
-  out = []
-  for g in grads:
-    u, state = step(g, state, params)
-    out.append(u)
-  return out, state
-
-
-def assert_updates_close(a, b, rtol=1e-5, atol=1e-6):
-  for x, y in zip(a, b):
-    conf.assert_trees_close(x, y, rtol=rtol, atol=atol)
-
 
 # ---------------------------------------------------------------------------
 # Conformance.
@@ -62,32 +33,17 @@ SMALL_SPAM = dict(threshold=2.0, reset_interval=3, warmup_steps=2,
                   clip_delay=1)
 
 
-def make_pieces(learning_rate):
-  return optax.chain(
-      clipping.clip_by_moment_ratio(2.0, b2=0.999, delay=1),
-      clipping.adaptive_max_clip(0.9),
-      clipping.adaptive_grad_norm(0.7, 0.9),
-      clipping.reset_every(optax.adam(learning_rate), 2),
-  )
-
-
 # The example params have a 2-D leaf (sparse momentum at density 0.5) and a
-# 1-D leaf (dense), so each SPAM case covers both kinds of leaf. Resets and
+# 1-D leaf (dense), so the case covers both kinds of leaf. Resets and
 # re-warmups fall inside the conformance suite's few steps.
-@pytest.mark.parametrize('make', [
-    functools.partial(spam_lib.spam, **SMALL_SPAM, weight_decay=0.1,
-                      density=0.5),
-    functools.partial(spam_lib.stable_spam, reset_interval=3, total_steps=4,
-                      weight_decay=0.1),
-    make_pieces,
-], ids=['spam', 'stable_spam', 'pieces'])
-def test_conformance(make, tmp_path):
-  conf.check_all(make, tmp_path)
+def test_conformance(tmp_path):
+  conf.check_all(functools.partial(spam, **SMALL_SPAM, weight_decay=0.1,
+                                   density=0.5), tmp_path)
 
 
 def test_conformance_spam_compat():
   """The compat paths (Bernoulli masks, post-update decay) under jit."""
-  make = functools.partial(spam_lib.spam, **SMALL_SPAM, density=0.5,
+  make = functools.partial(spam, **SMALL_SPAM, density=0.5,
                            weight_decay=0.1, reference_compat=True)
   conf.check_no_recompile(make)
   conf.check_dtypes(make)
@@ -96,7 +52,7 @@ def test_conformance_spam_compat():
 
 def test_spam_inside_diloco_under_vmap():
   """SPAM as DiLoCo's inner optimizer, two workers simulated by vmap."""
-  inner = spam_lib.spam(1e-2, **SMALL_SPAM)
+  inner = spam(1e-2, **SMALL_SPAM)
   tx = loc_opt.diloco(inner, sync_every=2, outer=optax.sgd(1.0))
   m, steps = 2, 4
 
@@ -146,86 +102,40 @@ def test_spam_inside_diloco_under_vmap():
 @pytest.mark.parametrize('compat', [False, True])
 def test_spam_without_resets_or_clipping_is_adam(compat):
   params = conf.example_params()
-  grads = random_grads(params, 8)
-  got, _ = run_updates(
-      spam_lib.spam(1e-2, eps=1e-12, threshold=INF, reset_interval=10**9,
-                    reference_compat=compat), params, grads)
+  grads = helpers.random_grads(params, 8)
+  got, _ = helpers.run_updates(
+      spam(1e-2, eps=1e-12, threshold=INF, reset_interval=10**9,
+           reference_compat=compat), params, grads)
   # Epsilon enters differently (added to the uncorrected sqrt(v) in SPAM),
   # so compare at a negligible epsilon.
-  want, _ = run_updates(optax.adam(1e-2, eps=1e-12), params, grads)
-  assert_updates_close(got, want, rtol=2e-5, atol=1e-7)
+  want, _ = helpers.run_updates(optax.adam(1e-2, eps=1e-12), params, grads)
+  helpers.assert_updates_close(got, want, rtol=2e-5, atol=1e-7)
   # threshold 0 also switches the clip off, and the decay is AdamW's.
-  got, _ = run_updates(
-      spam_lib.spam(1e-2, eps=1e-12, threshold=0.0, reset_interval=0,
-                    weight_decay=0.1), params, grads)
-  want, _ = run_updates(optax.adamw(1e-2, eps=1e-12, weight_decay=0.1),
-                        params, grads)
-  assert_updates_close(got, want, rtol=2e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize('compat', [False, True])
-def test_stable_spam_without_extras_is_spam(compat):
-  params = conf.example_params()
-  grads = random_grads(params, 8, spikes=(5,))
-  got, _ = run_updates(
-      spam_lib.scale_by_stable_spam(eps=1e-10, reset_interval=0,
-                                    ada_clip=False, ada_gn=False,
-                                    reference_compat=compat), params, grads)
-  want, _ = run_updates(
-      spam_lib.scale_by_spam(eps=1e-10, threshold=0.0, reset_interval=0,
-                             reference_compat=compat), params, grads)
-  assert_updates_close(got, want, rtol=1e-6, atol=1e-6)
-
-
-def test_stable_spam_is_the_chain_of_its_pieces():
-  """Clean mode, no annealing: AdaClip -> AdaGN -> reset_every(Adam)."""
-  params = conf.example_params()
-  grads = random_grads(params, 14, spikes=(3, 9))
-  got, _ = run_updates(
-      spam_lib.scale_by_stable_spam(gamma1=0.8, gamma2=0.95, gamma3=0.9,
-                                    reset_interval=4), params, grads)
-  want, _ = run_updates(optax.chain(
-      clipping.adaptive_max_clip(0.9),
-      clipping.adaptive_grad_norm(0.8, 0.95, eps=1e-8),
-      clipping.reset_every(optax.scale_by_adam(0.9, 0.999, eps=1e-8), 4),
-  ), params, grads)
-  assert_updates_close(got, want)
+  got, _ = helpers.run_updates(
+      spam(1e-2, eps=1e-12, threshold=0.0, reset_interval=0,
+           weight_decay=0.1), params, grads)
+  want, _ = helpers.run_updates(
+      optax.adamw(1e-2, eps=1e-12, weight_decay=0.1), params, grads)
+  helpers.assert_updates_close(got, want, rtol=2e-5, atol=1e-7)
 
 
 def test_spam_clip_equals_clip_piece_then_adam():
   params = conf.example_params()
-  grads = random_grads(params, 10, spikes=(4, 7))
-  got, _ = run_updates(
-      spam_lib.scale_by_spam(eps=1e-10, threshold=3.0, reset_interval=0,
-                             clip_delay=3), params, grads)
-  want, _ = run_updates(optax.chain(
+  grads = helpers.random_grads(params, 10, spikes=(4, 7))
+  got, _ = helpers.run_updates(
+      scale_by_spam(eps=1e-10, threshold=3.0, reset_interval=0,
+                    clip_delay=3), params, grads)
+  want, _ = helpers.run_updates(optax.chain(
       clipping.clip_by_moment_ratio(3.0, b2=0.999, delay=2),
       optax.scale_by_adam(eps=1e-10)), params, grads)
-  assert_updates_close(got, want)
+  helpers.assert_updates_close(got, want)
   # The spikes were clipped, so this test is not about plain Adam.
-  adam, _ = run_updates(optax.scale_by_adam(eps=1e-10), params, grads)
+  adam, _ = helpers.run_updates(optax.scale_by_adam(eps=1e-10), params, grads)
   assert not np.allclose(got[4]['w'], adam[4]['w'], rtol=1e-3)
 
 
-def test_reset_every_restarts_the_inner_optimizer():
-  params = conf.example_params()
-  grads = random_grads(params, 7)
-  got, state = run_updates(clipping.reset_every(optax.adam(0.1), 3), params,
-                           grads)
-  # Updates 3 and 6 (1-based) are first updates of a fresh Adam.
-  want = (run_updates(optax.adam(0.1), params, grads[:2])[0]
-          + run_updates(optax.adam(0.1), params, grads[2:5])[0]
-          + run_updates(optax.adam(0.1), params, grads[5:])[0])
-  assert_updates_close(got, want, rtol=0, atol=0)
-  assert int(state.count) == 7
-  # A non-positive period never resets.
-  got, _ = run_updates(clipping.reset_every(optax.adam(0.1), 0), params, grads)
-  want, _ = run_updates(optax.adam(0.1), params, grads)
-  assert_updates_close(got, want, rtol=0, atol=0)
-
-
 # ---------------------------------------------------------------------------
-# Literal NumPy transcriptions of the reference algorithms (spec §A1, §A2).
+# A literal NumPy transcription of the reference algorithm (spec §A1).
 # ---------------------------------------------------------------------------
 
 
@@ -252,64 +162,15 @@ def spam_reference(grads, *, b1, b2, eps, theta, interval, warmup, delay):
   return out
 
 
-def stable_spam_reference(grads, *, b1, b2, eps, gamma1, gamma2, gamma3,
-                          interval, total, kappa_min, compat):
-  """Stable-SPAM in the reference's order, with or without its quirks."""
-  m = v = np.zeros_like(grads[0], np.float64)
-  t = s = 0
-  mx = mn = vn = 0.0
-  out = []
-  for g in grads:
-    g = np.asarray(g, np.float64)
-    t += 1
-    tc = t if compat else min(t, total + 1)
-    kappa = kappa_min + (1 - kappa_min) * (
-        1 + math.cos(math.pi * tc / (total + 1))) / 2
-    s += 1
-    c = s if compat else t
-    a = np.abs(g).max()
-    mx = gamma3 * mx + (1 - gamma3) * a
-    bound = mx / (1 - gamma3**c)
-    g = np.where(np.abs(g) > bound, g * bound / a, g)
-    n = np.linalg.norm(g)
-    g1 = gamma1 * kappa
-    mn = g1 * mn + (1 - g1) * n
-    vn = gamma2 * vn + (1 - gamma2) * n**2
-    target = (mn / (1 - g1**c)) / (math.sqrt(vn / (1 - gamma2**c)) + eps)
-    g = g * target / n
-    m_loc, v_loc = m, v
-    reset = t % interval == 0
-    if reset:
-      if not compat:
-        m_loc, v_loc = 0 * m, 0 * v
-      m, v, s = 0 * m, 0 * v, 1
-    b1k = b1 * kappa
-    m_loc = b1k * m_loc + (1 - b1k) * g
-    v_loc = b2 * v_loc + (1 - b2) * g**2
-    out.append((m_loc / (1 - b1k**s))
-               / (np.sqrt(v_loc) / math.sqrt(1 - b2**s) + eps))
-    if not (compat and reset):
-      m, v = m_loc, v_loc
-  return out
-
-
-def leaf_grads(steps, shape=(5, 4), spikes=(6, 13, 17)):
-  out = []
-  for i in range(steps):
-    g = jax.random.normal(jax.random.fold_in(jax.random.key(5), i), shape)
-    out.append(30.0 * g if i in spikes else g)
-  return out
-
-
 @pytest.mark.parametrize('compat', [False, True])
 def test_spam_matches_reference_transcription(compat):
   hp = dict(b1=0.9, b2=0.99, eps=1e-6)
   ours = dict(threshold=3.0, reset_interval=7, warmup_steps=4, clip_delay=2)
-  grads = leaf_grads(24)
+  grads = helpers.leaf_grads(24)
   want = spam_reference([np.asarray(g) for g in grads], theta=3.0,
                         interval=7, warmup=4, delay=2, **hp)
-  got, _ = run_updates(
-      spam_lib.scale_by_spam(**hp, **ours, reference_compat=compat),
+  got, _ = helpers.run_updates(
+      scale_by_spam(**hp, **ours, reference_compat=compat),
       {'w': grads[0]}, [{'w': g} for g in grads])
   for i, (u, w) in enumerate(zip(got, want)):
     np.testing.assert_allclose(u['w'], w, rtol=2e-5, atol=1e-7,
@@ -320,47 +181,25 @@ def test_spam_matches_reference_transcription(compat):
   assert not np.allclose(want[8], plain[8], rtol=1e-2)
 
 
-@pytest.mark.parametrize('compat', [False, True])
-def test_stable_spam_matches_reference_transcription(compat):
-  hp = dict(b1=0.9, b2=0.999, eps=1e-8, gamma1=0.7, gamma2=0.9, gamma3=0.9)
-  grads = leaf_grads(20)
-  want = stable_spam_reference([np.asarray(g) for g in grads], interval=5,
-                               total=8, kappa_min=0.5, compat=compat, **hp)
-  got, _ = run_updates(
-      spam_lib.scale_by_stable_spam(**hp, reset_interval=5, total_steps=8,
-                                    kappa_min=0.5, reference_compat=compat),
-      {'w': grads[0]}, [{'w': g} for g in grads])
-  for i, (u, w) in enumerate(zip(got, want)):
-    np.testing.assert_allclose(u['w'], w, rtol=1e-4, atol=1e-6,
-                               err_msg=f'step {i}')
-  # The two modes differ (stale reset step, EMA counters, kappa clamp).
-  other = stable_spam_reference([np.asarray(g) for g in grads], interval=5,
-                                total=8, kappa_min=0.5, compat=not compat,
-                                **hp)
-  assert not np.allclose(want[4], other[4], rtol=1e-2)
-  assert not np.allclose(want[15], other[15], rtol=1e-2)
-
-
 # ---------------------------------------------------------------------------
 # Spec §5 test vectors.
 # ---------------------------------------------------------------------------
 
 
 def test_warmup_factor_values():
-  phi = spam_lib.spam_warmup_factor(jnp.array([0, 1, 10, 75, 149, 150, 400]),
-                                    150)
+  phi = spam_warmup_factor(jnp.array([0, 1, 10, 75, 149, 150, 400]), 150)
   np.testing.assert_allclose(
       phi, [0.01000, 0.01011, 0.02067, 0.49985, 0.99957, 1.0, 1.0], atol=1e-5)
-  assert float(spam_lib.spam_warmup_factor(0, 0)) == 1.0
+  assert float(spam_warmup_factor(0, 0)) == 1.0
   # The reference script's wiring: N = 1000 with a 500-step window.
-  window = spam_lib.spam_warmup_factor(jnp.arange(500), 1000)
+  window = spam_warmup_factor(jnp.arange(500), 1000)
   np.testing.assert_allclose(window.max(), 0.5027, atol=1e-4)
   np.testing.assert_allclose(window.mean(), 0.1891, atol=1e-4)
 
 
 def spam_step_at(count, grads, **kwargs):
   """One scale_by_spam update taken after ``count`` earlier updates."""
-  tx = spam_lib.scale_by_spam(**kwargs)
+  tx = scale_by_spam(**kwargs)
   state = tx.init(grads)._replace(
       count=jnp.asarray(count, jnp.int32),
       mu=jax.tree.map(lambda g: 5.0 * g, grads),
@@ -385,7 +224,7 @@ def test_first_update_after_reset(s, want):
 
 
 def test_warmup_follows_each_reset():
-  tx = spam_lib.scale_by_spam(eps=0.0, reset_interval=500, warmup_steps=150)
+  tx = scale_by_spam(eps=0.0, reset_interval=500, warmup_steps=150)
   g = {'w': jnp.ones(2)}
   step = jax.jit(tx.update)
   for count, j in [(0, None), (498, None), (499, 0), (510, 11), (649, 150),
@@ -397,15 +236,14 @@ def test_warmup_follows_each_reset():
     adam = math.sqrt(1 - 0.999**s) / (1 - 0.9**s)
     if j == 0:  # The reset step starts from zero moments.
       adam *= 0.1 / math.sqrt(0.001)
-    phi = 1.0 if j is None else float(spam_lib.spam_warmup_factor(j, 150))
+    phi = 1.0 if j is None else float(spam_warmup_factor(j, 150))
     np.testing.assert_allclose(u['w'], phi * adam, rtol=1e-5,
                                err_msg=f'count {count}')
 
 
 def test_effective_threshold_after_reset():
   """The clip compares against the uncorrected v: theta (1 - b2^j)."""
-  tx = spam_lib.scale_by_spam(threshold=5000.0, reset_interval=500,
-                              clip_delay=1)
+  tx = scale_by_spam(threshold=5000.0, reset_interval=500, clip_delay=1)
   ones = {'w': jnp.ones(1)}
   spike = {'w': jnp.full(1, 1e4)}
   step = jax.jit(tx.update)
@@ -424,74 +262,6 @@ def test_effective_threshold_after_reset():
       rtol=2e-4)
 
 
-def test_kappa_values():
-  k = functools.partial(spam_lib.stable_spam_kappa, total_steps=20000)
-  np.testing.assert_allclose(
-      [k(1, clamp=False), k(10000, clamp=False), k(20000, clamp=False),
-       k(30000, clamp=False)], [1.0, 0.75002, 0.5, 0.74994], atol=1e-5)
-  np.testing.assert_allclose(jax.jit(k)(30000), 0.5, atol=1e-7)
-  np.testing.assert_allclose(k(20001), 0.5, atol=1e-7)
-
-
-@pytest.mark.parametrize('compat,kappa,want', [
-    (True, 1.0, 0.31623), (True, 0.5, 0.0575), (False, 1.0, 1.0),
-    (False, 0.5, 1.0)])
-def test_stable_spam_reset_step_factor(compat, kappa, want):
-  """Converged moments, then a reset: stale (compat) or fresh moments."""
-  total = None
-  if kappa != 1.0:
-    total = 20000  # kappa(T + 1) = 0.5 exactly; pick t = T + 1 below.
-  tx = spam_lib.scale_by_stable_spam(reset_interval=20001, total_steps=total,
-                                     ada_clip=False, ada_gn=False,
-                                     reference_compat=compat)
-  g = {'w': jnp.array([0.5, -3.0])}
-  state = tx.init(g)._replace(
-      count=jnp.asarray(20000, jnp.int32),
-      adam_count=jnp.asarray(10**6, jnp.int32),
-      mu=g, nu=jax.tree.map(jnp.square, g))
-  if total is not None and compat:
-    # Unclamped, kappa(T + 1) is also 0.5.
-    np.testing.assert_allclose(
-        spam_lib.stable_spam_kappa(20001, total, clamp=False), 0.5)
-  u, new_state = tx.update(g, state)
-  np.testing.assert_allclose(u['w'], want * np.sign(g['w']), rtol=2e-3)
-  assert int(new_state.adam_count) == 1
-  if compat:  # The zeros are stored for the next step.
-    np.testing.assert_array_equal(new_state.mu['w'], 0.0)
-
-
-@pytest.mark.parametrize('s,want', [(2, 500.25), (10, 100.45), (100, 10.50),
-                                    (1000, 1.58)])
-def test_adaptive_max_clip_inflation(s, want):
-  tx = clipping.adaptive_max_clip(0.999)
-  g = {'w': jnp.array([1e6, -5.0, 2.0])}
-  state = clipping.AdaptiveMaxClipState(
-      count=jnp.asarray(s - 1, jnp.int32), max_ema={'w': jnp.asarray(1.0)})
-  u, new_state = tx.update(g, state)
-  inflation = u['w'][0] / new_state.max_ema['w']
-  np.testing.assert_allclose(inflation, want, rtol=2e-3)
-  # Proportional: the other entries are below the threshold, unchanged.
-  np.testing.assert_array_equal(u['w'][1:], g['w'][1:])
-
-
-@pytest.mark.parametrize('compat,want', [(True, 500.25), (False, 1.58)])
-def test_stable_spam_clip_counter_after_reset(compat, want):
-  """After a reset the compat AdaClip bias correction restarts (s = 2)."""
-  tx = spam_lib.scale_by_stable_spam(reset_interval=0, ada_gn=False,
-                                     reference_compat=compat)
-  g = {'w': jnp.array([1e6, -5.0, 2.0])}
-  state = tx.init(g)._replace(count=jnp.asarray(1000, jnp.int32),
-                              adam_count=jnp.asarray(1, jnp.int32),
-                              max_ema={'w': jnp.asarray(1.0)})
-  _, new_state = tx.update(g, state)
-  clipped = new_state.mu['w'][0] / 0.1  # From zero moments.
-  np.testing.assert_allclose(clipped / new_state.max_ema['w'],
-                             1 / (1 - 0.999 ** (2 if compat else 1001)),
-                             rtol=1e-4)
-  np.testing.assert_allclose(clipped / new_state.max_ema['w'], want,
-                             rtol=2e-3)
-
-
 # ---------------------------------------------------------------------------
 # Sparse momentum.
 # ---------------------------------------------------------------------------
@@ -504,10 +274,9 @@ sparse_params = conf.example_params
 
 def test_sparse_momentum_updates_exactly_k_entries():
   params = sparse_params()
-  tx = spam_lib.scale_by_spam(reset_interval=4, warmup_steps=0,
-                              density=0.5)
-  grads = random_grads(params, 9)
-  ups, state = run_updates(tx, params, grads)
+  tx = scale_by_spam(reset_interval=4, warmup_steps=0, density=0.5)
+  grads = helpers.random_grads(params, 9)
+  ups, state = helpers.run_updates(tx, params, grads)
   assert state.mu['w'].shape == (6,) and state.mu['b'].shape == (3,)
   supports = [np.flatnonzero(u['w']) for u in ups]
   assert all(len(s) == 6 for s in supports)
@@ -524,12 +293,12 @@ def test_sparse_entries_follow_dense_spam():
   """The kept entries evolve like dense SPAM on the gathered gradient."""
   params = sparse_params()
   kw = dict(threshold=2.0, reset_interval=50, warmup_steps=3, clip_delay=1)
-  tx = spam_lib.scale_by_spam(**kw, density=0.5)
-  grads = random_grads(params, 6, spikes=(3,))
-  ups, state = run_updates(tx, params, grads)
+  tx = scale_by_spam(**kw, density=0.5)
+  grads = helpers.random_grads(params, 6, spikes=(3,))
+  ups, state = helpers.run_updates(tx, params, grads)
   idx = np.asarray(state.masks[0])
-  dense, _ = run_updates(
-      spam_lib.scale_by_spam(**kw), {'w': jnp.zeros(len(idx))},
+  dense, _ = helpers.run_updates(
+      scale_by_spam(**kw), {'w': jnp.zeros(len(idx))},
       [{'w': g['w'].reshape(-1)[idx]} for g in grads])
   for u, d in zip(ups, dense):
     np.testing.assert_allclose(u['w'].reshape(-1)[idx], d['w'], rtol=1e-6)
@@ -537,8 +306,7 @@ def test_sparse_entries_follow_dense_spam():
 
 def test_sparse_compat_bernoulli_redraw():
   params = sparse_params()
-  tx = spam_lib.scale_by_spam(reset_interval=2, density=0.5,
-                              reference_compat=True)
+  tx = scale_by_spam(reset_interval=2, density=0.5, reference_compat=True)
   state = tx.init(params)
   assert state.mu['w'].shape == (4, 3)
   counts = [int(state.masks[0].sum())]
@@ -557,10 +325,10 @@ def test_sparse_weight_decay(compat):
   params = sparse_params()
   lr, wd = 0.1, 0.5
   kw = dict(reset_interval=10, density=0.5, reference_compat=compat)
-  grads = random_grads(params, 1)
-  u_wd, _ = run_updates(spam_lib.spam(lr, weight_decay=wd, **kw), params,
-                        grads)
-  u0, state = run_updates(spam_lib.spam(lr, **kw), params, grads)
+  grads = helpers.random_grads(params, 1)
+  u_wd, _ = helpers.run_updates(spam(lr, weight_decay=wd, **kw), params,
+                                grads)
+  u0, state = helpers.run_updates(spam(lr, **kw), params, grads)
   u_wd, u0 = u_wd[0], u0[0]
   if compat:
     # No decay in the density group; post-update decay elsewhere.
@@ -578,15 +346,14 @@ def test_sparse_weight_decay(compat):
 
 def test_bad_density():
   with pytest.raises(ValueError, match='density'):
-    spam_lib.spam(1e-3, density=1.5)
+    spam(1e-3, density=1.5)
   with pytest.raises(ValueError, match='keeps no entry'):
-    spam_lib.scale_by_spam(density=0.01).init({'w': jnp.zeros((3, 3))})
+    scale_by_spam(density=0.01).init({'w': jnp.zeros((3, 3))})
   params = sparse_params()
-  tx = optax.inject_hyperparams(spam_lib.spam)(learning_rate=1e-3,
-                                                density=0.5)
+  tx = optax.inject_hyperparams(spam)(learning_rate=1e-3, density=0.5)
   with pytest.raises(TypeError, match='static_args'):
     jax.jit(tx.update)(params, tx.init(params), params)
-  tx = optax.inject_hyperparams(spam_lib.spam, static_args=('density',))(
+  tx = optax.inject_hyperparams(spam, static_args=('density',))(
       learning_rate=1e-3, density=0.5)
   grads = jax.tree.map(jnp.ones_like, params)
   u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -594,12 +361,7 @@ def test_bad_density():
 
 
 def test_mu_dtype():
-  params = conf.example_params()
-  for tx in (spam_lib.scale_by_spam(mu_dtype=jnp.bfloat16),
-             spam_lib.scale_by_stable_spam(mu_dtype=jnp.bfloat16)):
-    _, state = run_updates(tx, params, random_grads(params, 2))
-    assert state.mu['w'].dtype == jnp.bfloat16
-    assert state.nu['w'].dtype == jnp.float32
+  helpers.check_mu_dtype(scale_by_spam(mu_dtype=jnp.bfloat16))
 
 
 # ---------------------------------------------------------------------------
@@ -607,73 +369,34 @@ def test_mu_dtype():
 # ---------------------------------------------------------------------------
 
 
-SPIKE_AT = 200
-
-
-def spike_trajectory(tx, scale, steps=230):
-  """Updates and (pre-update) states of a run with one spiked gradient."""
-  params = {'w': jnp.zeros(64)}
-
-  def body(state, i):
-    g = jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (64,))
-    g = jnp.where(i == SPIKE_AT, scale * g, g)
-    u, new_state = tx.update({'w': g}, state, params)
-    return new_state, (u['w'], state)
-
-  _, (ups, states) = jax.lax.scan(body, tx.init(params), jnp.arange(steps))
-  return ups, states[0]  # The direction's state in the chain.
-
-
 @pytest.fixture(scope='module')
 def spike_runs():
-  txs = {'adam': optax.adam(1.0), 'spam': spam_lib.spam(1.0),
-         'spam50': spam_lib.spam(1.0, threshold=50.0),
-         'stable_spam': spam_lib.stable_spam(1.0)}
-  out = {}
-  for name, tx in txs.items():
-    run = jax.jit(functools.partial(spike_trajectory, tx))
-    out[name] = {s: jax.tree.map(np.asarray, run(s)) for s in (1.0, 1e3, 1e6)}
-  return out
+  return helpers.spike_runs({'adam': optax.adam(1.0), 'spam': spam(1.0),
+                             'spam50': spam(1.0, threshold=50.0)})
 
 
 def test_spike_enters_the_moments_bounded(spike_runs):
   """The gradient that reaches the first moment on the spike step."""
-
-  def entered(name, scale, i=SPIKE_AT):
-    mu = spike_runs[name][scale][1].mu['w']  # mu[i]: before update i.
-    return (mu[i + 1] - 0.9 * mu[i]) / 0.1
-
-  def norm(name, scale, i=SPIKE_AT):
-    return np.linalg.norm(entered(name, scale, i))
-
+  entered = functools.partial(helpers.spike_entered, spike_runs)
+  norm = functools.partial(helpers.spike_entered_norm, spike_runs)
   usual = norm('adam', 1.0)
   # Adam takes the spike whole: 1000x, then 10^6x the usual norm.
   np.testing.assert_allclose(norm('adam', 1e3), 1e3 * usual, rtol=1e-4)
   np.testing.assert_allclose(norm('adam', 1e6), 1e6 * usual, rtol=1e-4)
   # SPAM clips each coordinate to sqrt(theta v): about 27x the usual norm
   # here, whatever the spike's size.
-  bound = np.sqrt(5000.0 * spike_runs['spam'][1e3][1].nu['w'][SPIKE_AT])
+  bound = np.sqrt(5000.0 * spike_runs['spam'][1e3][1].nu['w'][
+      helpers.SPIKE_AT])
   for scale in (1e3, 1e6):
     assert np.all(np.abs(entered('spam', scale)) <= bound * (1 + 1e-5))
     assert norm('spam', scale) < 30 * usual
   np.testing.assert_allclose(norm('spam', 1e6), norm('spam', 1e3), rtol=1e-3)
-  # Stable-SPAM's AdaClip + AdaGN keep the norm at its usual size.
-  for scale in (1e3, 1e6):
-    assert norm('stable_spam', scale) < 1.5 * norm('stable_spam', 1.0,
-                                                   SPIKE_AT - 1)
 
 
 def test_spike_barely_moves_the_trajectory(spike_runs):
   """Net displacement caused by the spike over the next 30 updates."""
-
-  def displacement(name):
-    spiked, _ = spike_runs[name][1e3]
-    base, _ = spike_runs[name][1.0]
-    return np.linalg.norm((spiked - base)[SPIKE_AT:].sum(0))
-
-  adam = displacement('adam')
-  assert adam > 50.0
-  assert displacement('spam50') < 0.2 * adam
-  assert displacement('stable_spam') < 0.2 * adam
+  moved = helpers.spike_displacements(spike_runs)
+  assert moved['adam'] > 50.0
+  assert moved['spam50'] < 0.2 * moved['adam']
   # At its default theta = 5000 SPAM clips to ~30x the gradient RMS here.
-  assert displacement('spam') < adam
+  assert moved['spam'] < moved['adam']

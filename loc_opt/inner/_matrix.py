@@ -5,12 +5,15 @@ two or more dimensions) as a linear map and every other leaf (biases, norm
 scales, scalars) with a simpler fallback rule. This module holds what they
 share:
 
-* the eligibility rule (:func:`is_matrix`, :func:`matrix_labels`) and the
-  routing of the two kinds to two transforms (:func:`split_by_kind`);
+* the eligibility rule (:func:`is_matrix`, :func:`matrix_labels`), the
+  routing of the two kinds to two transforms (:func:`split_by_kind`,
+  :func:`matrix_optimizer`) and the default fallback (:func:`adam_fallback`);
 * the 2-D view of a leaf (:func:`as_matrix`): a leaf of shape
   ``(d_1, ..., d_k)`` is the matrix ``(d_1 ... d_{k-1}, d_k)``, i.e.
   ``(fan_in, fan_out)`` for Flax ``Dense``/``DenseGeneral``/``Conv`` kernels,
-  whose last axis is the output axis;
+  whose last axis is the output axis; its tall orientation for low-rank
+  methods (:func:`as_tall_matrix`, :func:`from_tall_matrix`);
+* the static shape-setting hyperparameters (:func:`static_number`);
 * matrix functions: the quintic Newton--Schulz orthogonalization of Muon
   (:func:`orthogonalize`), inverse square roots (:func:`inverse_sqrt`) and the
   polar factor ``U V^T`` (:func:`polar_factor`), subspace bases
@@ -27,6 +30,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import optax
+
+from loc_opt import _checks
 
 MATRIX = 'matrix'
 OTHER = 'other'
@@ -99,14 +104,39 @@ def split_by_kind(
 
 
 def adam_fallback(
+    fallback: optax.GradientTransformation | None,
     b1: jax.typing.ArrayLike = 0.9,
     b2: jax.typing.ArrayLike = 0.999,
     eps: jax.typing.ArrayLike = 1e-8,
     *,
     nesterov: bool = False,
 ) -> optax.GradientTransformation:
-  """The default rule for non-matrix leaves: ``optax.scale_by_adam``."""
+  """``fallback``, or the default rule for non-matrix leaves when it is None:
+  ``optax.scale_by_adam(b1, b2, eps, nesterov)``."""
+  if fallback is not None:
+    return fallback
   return optax.scale_by_adam(b1=b1, b2=b2, eps=eps, nesterov=nesterov)
+
+
+def matrix_optimizer(
+    core: optax.GradientTransformation,
+    fallback: optax.GradientTransformation,
+    matrix_mask: MatrixMask = None,
+) -> optax.GradientTransformation:
+  """``core`` on whole matrix leaves and ``fallback`` on the others.
+
+  The shape of SWAN, FRUGAL, Fira and Dion: :func:`split_by_kind` of
+  :func:`gathered` ``(core)`` and ``fallback``.
+
+  Args:
+    core: the matrix rule, a transform of a tree of matrix leaves.
+    fallback: the transform for all other leaves.
+    matrix_mask: see :func:`matrix_labels`.
+
+  Returns:
+    The combined transform.
+  """
+  return split_by_kind(gathered(core), fallback, matrix_mask)
 
 
 def static_number(value: Any, name: str, cast: type = int) -> Any:
@@ -124,13 +154,7 @@ def static_number(value: Any, name: str, cast: type = int) -> Any:
     ValueError: if ``value`` is traced (e.g. injected by
       ``optax.inject_hyperparams`` into a jitted ``init``).
   """
-  try:
-    return cast(value)
-  except (jax.errors.ConcretizationTypeError,
-          jax.errors.TracerIntegerConversionError) as e:
-    raise ValueError(
-        f'{name} sets a state shape and must be static; with '
-        f'optax.inject_hyperparams pass static_args=({name!r},)') from e
+  return cast(_checks.static(value, name))
 
 
 def as_matrix(x: jax.Array) -> jax.Array:
@@ -143,6 +167,33 @@ def as_matrix(x: jax.Array) -> jax.Array:
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
   """The shape :func:`as_matrix` gives a leaf of shape ``shape``."""
   return math.prod(shape[:-1]), shape[-1]
+
+
+def tall_shape(shape: Sequence[int]) -> tuple[int, int]:
+  """``(big, small)``: the shape :func:`as_tall_matrix` gives a leaf."""
+  m, n = matrix_shape(shape)
+  return max(m, n), min(m, n)
+
+
+def as_tall_matrix(x: jax.Array) -> tuple[jax.Array, bool]:
+  """The float32 matrix view of a leaf, transposed if needed to be tall.
+
+  Low-rank methods keep a basis of the smaller side: with the view tall,
+  ``(big, small)``, that is always the right side.
+
+  Returns:
+    ``(matrix, transposed)``; :func:`from_tall_matrix` undoes it.
+  """
+  xm = as_matrix(x).astype(jnp.float32)
+  transposed = xm.shape[0] < xm.shape[1]
+  return (xm.T if transposed else xm), transposed
+
+
+def from_tall_matrix(u: jax.Array, transposed: bool,
+                     like: jax.Array) -> jax.Array:
+  """A tall ``u`` back in the shape and dtype of the leaf ``like``."""
+  u = u.T if transposed else u
+  return u.reshape(like.shape).astype(like.dtype)
 
 
 def orthogonalize(
@@ -207,12 +258,11 @@ def inverse_sqrt(
   Returns:
     :math:`A^{-1/2}` with the shape of ``a``.
   """
+  _checks.one_of(method, 'method', ('newton_schulz', 'exact'))
   tiny = jnp.finfo(a.dtype).tiny
   if method == 'exact':
     w, v = jnp.linalg.eigh(a)
     return (v * jax.lax.rsqrt(jnp.maximum(w, tiny))) @ v.T
-  if method != 'newton_schulz':
-    raise ValueError(f'unknown inverse square root method {method!r}')
   eye = jnp.eye(a.shape[0], dtype=a.dtype)
   norm = jnp.linalg.norm(a) + tiny
 

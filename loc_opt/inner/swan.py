@@ -1,12 +1,14 @@
 """SWAN: SGD with gradient normalization and whitening (stateless)."""
 
+import typing
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt import _checks
+from loc_opt.inner import _matrix
 
 NormOver = Literal['fan_in', 'fan_out']
 
@@ -17,18 +19,18 @@ def _swan_direction(
     ns_steps: jax.typing.ArrayLike,
     damping: jax.typing.ArrayLike,
     *,
-    whitening: matrix.Whitening,
+    whitening: _matrix.Whitening,
     norm_over: NormOver,
     rescale: bool,
 ) -> jax.Array:
   norm_axis = 0 if norm_over == 'fan_in' else 1
-  x = matrix.as_matrix(g).astype(jnp.float32)
+  x = _matrix.as_matrix(g).astype(jnp.float32)
   mean = jnp.mean(x, axis=norm_axis, keepdims=True)
   std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=norm_axis,
                           keepdims=True))
   x = (x - mean) / (std + eps)
-  w = matrix.polar_factor(x, method=whitening, steps=ns_steps,
-                          damping=damping)
+  w = _matrix.polar_factor(x, method=whitening, steps=ns_steps,
+                           damping=damping)
   # Exactly, w has zero mean along norm_axis like x; re-centering removes the
   # rounding noise that the damped inverse amplifies in that null direction.
   w = w - jnp.mean(w, axis=norm_axis, keepdims=True)
@@ -45,16 +47,17 @@ def scale_by_swan(
     adam_b2: jax.typing.ArrayLike = 0.999,
     adam_eps: jax.typing.ArrayLike = 1e-8,
     *,
-    whitening: matrix.Whitening = 'newton_schulz',
+    whitening: _matrix.Whitening = 'newton_schulz',
     norm_over: NormOver = 'fan_in',
     rescale: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""SWAN's update direction: GradNorm then GradWhitening on matrix leaves.
 
   For a matrix leaf viewed as :math:`G \in \mathbb{R}^{m \times n}`
-  (``(fan_in, fan_out)``, see :func:`loc_opt.inner.matrix.as_matrix`):
+  (``(fan_in, fan_out)``: a leaf of shape ``(d_1, ..., d_k)`` is the matrix
+  ``(d_1 ... d_{k-1}, d_k)``):
 
   .. math::
 
@@ -91,7 +94,9 @@ def scale_by_swan(
     rescale: multiply :math:`\Delta` by
       :math:`\|\tilde G\|_F/\|\Delta\|_F` (an option some descriptions use).
     fallback: transform for non-matrix leaves (default ``scale_by_adam``).
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -107,11 +112,8 @@ def scale_by_swan(
     Ma, Gong, Scetbon, Meeds, `SWAN: SGD with Normalization and Whitening
     Enables Stateless LLM Training`, 2024 (ICML 2025).
   """
-  if norm_over not in ('fan_in', 'fan_out'):
-    raise ValueError(f"norm_over must be 'fan_in' or 'fan_out', got "
-                     f'{norm_over!r}')
-  if whitening not in ('newton_schulz', 'exact', 'quintic'):
-    raise ValueError(f'unknown whitening {whitening!r}')
+  _checks.one_of(norm_over, 'norm_over', typing.get_args(NormOver))
+  _checks.one_of(whitening, 'whitening', typing.get_args(_matrix.Whitening))
 
   @jax.jit  # Eager callers run one compiled update, not op by op.
   def update_fn(updates, state, params=None):
@@ -123,11 +125,10 @@ def scale_by_swan(
         updates)
     return updates, state
 
-  core = matrix.gathered(
-      optax.GradientTransformation(optax.init_empty_state, update_fn))
-  if fallback is None:
-    fallback = matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+  core = optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, adam_b1, adam_b2, adam_eps),
+      matrix_mask)
 
 
 def swan(
@@ -141,11 +142,11 @@ def swan(
     weight_decay: jax.typing.ArrayLike = 0.0,
     mask: Any | None = None,
     *,
-    whitening: matrix.Whitening = 'newton_schulz',
+    whitening: _matrix.Whitening = 'newton_schulz',
     norm_over: NormOver = 'fan_in',
     rescale: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """SWAN: :func:`scale_by_swan`, decoupled weight decay, learning rate.
 

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt import _checks
+from loc_opt.inner import _matrix
 
 
 class DionState(NamedTuple):
@@ -21,17 +22,15 @@ class DionState(NamedTuple):
 
 
 def _rank_for(shape, rank, rank_fraction):
-  fan_in, fan_out = matrix.matrix_shape(shape)
+  fan_in, fan_out = _matrix.matrix_shape(shape)
   small = min(fan_in, fan_out)
   if rank_fraction is not None:
-    fraction = matrix.static_number(rank_fraction, 'rank_fraction', float)
-    if not 0 < fraction <= 1:
-      raise ValueError(f'rank_fraction must be in (0, 1], got {fraction}')
+    fraction = _matrix.static_number(rank_fraction, 'rank_fraction', float)
+    fraction = _checks.in_interval(fraction, 'rank_fraction', 0, 1,
+                                   closed='right')
     r = math.ceil(fraction * small)
   else:
-    r = matrix.static_number(rank, 'rank')
-    if r < 1:
-      raise ValueError(f'rank must be >= 1, got {r}')
+    r = _checks.positive_int(_matrix.static_number(rank, 'rank'), 'rank')
   return min(r, small)
 
 
@@ -43,7 +42,7 @@ def _core(mu, eps, *, rank, rank_fraction, seed, mu_dtype):
     key = jax.random.PRNGKey(seed)
     momentum, basis = [], []
     for i, p in enumerate(leaves):
-      fan_in, _ = matrix.matrix_shape(p.shape)
+      fan_in, _ = _matrix.matrix_shape(p.shape)
       r = _rank_for(p.shape, rank, rank_fraction)
       momentum.append(jnp.zeros_like(p, dtype=mu_dtype))
       # As in the reference, Q starts Gaussian and unnormalized.
@@ -57,9 +56,9 @@ def _core(mu, eps, *, rank, rank_fraction, seed, mu_dtype):
 
     def leaf(g, m, q):
       # Work in the (fan_out, fan_in) layout of the reference (PyTorch).
-      g2 = matrix.as_matrix(g).astype(jnp.float32).T
+      g2 = _matrix.as_matrix(g).astype(jnp.float32).T
       fan_out, fan_in = g2.shape
-      m2 = matrix.as_matrix(m).astype(jnp.float32).T + g2
+      m2 = _matrix.as_matrix(m).astype(jnp.float32).T + g2
       p, _ = jnp.linalg.qr(m2 @ q)  # (fan_out, r), orthonormal columns.
       r = m2.T @ p  # (fan_in, r).
       m2 = m2 - (1 - mu) * (p @ r.T)  # Error feedback.
@@ -88,7 +87,7 @@ def scale_by_dion(
     seed: int = 0,
     mu_dtype: Any = None,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""Dion's direction: one warm-started power-iteration step per update.
 
@@ -133,7 +132,9 @@ def scale_by_dion(
     seed: seed of the initial ``Q``.
     mu_dtype: dtype of the momentum ``M``; None means float32.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -147,12 +148,11 @@ def scale_by_dion(
   References:
     Ahn et al., `Dion: Distributed Orthonormalized Updates`, 2025.
   """
-  core = matrix.gathered(_core(mu, eps, rank=rank,
-                               rank_fraction=rank_fraction, seed=seed,
-                               mu_dtype=mu_dtype or jnp.float32))
-  if fallback is None:
-    fallback = matrix.adam_fallback(adam_b1, adam_b2, adam_eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+  core = _core(mu, eps, rank=rank, rank_fraction=rank_fraction, seed=seed,
+               mu_dtype=mu_dtype or jnp.float32)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, adam_b1, adam_b2, adam_eps),
+      matrix_mask)
 
 
 def dion(
@@ -170,7 +170,7 @@ def dion(
     seed: int = 0,
     mu_dtype: Any = None,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """Dion: :func:`scale_by_dion`, decoupled weight decay, learning rate.
 

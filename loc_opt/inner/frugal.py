@@ -1,12 +1,14 @@
 """FRUGAL: Adam in a subspace, a state-free rule in its complement."""
 
+import typing
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt import _checks
+from loc_opt.inner import _matrix
 
 Projector = Literal['blockwise', 'columns', 'random', 'svd']
 FreeUpdate = Literal['sign', 'sgd']
@@ -43,28 +45,72 @@ def _adam(g, mu, nu, c, b1, b2, eps):
   return mu_hat / (jnp.sqrt(nu_hat) + eps), mu, nu
 
 
+def _leaf_state(p, density, *, projector, rank):
+  """``(basis, moment)`` zeros of one matrix leaf (basis None: blockwise)."""
+  if projector == 'blockwise':
+    return None, jnp.zeros(p.shape, jnp.float32)
+  big, small = _matrix.tall_shape(p.shape)
+  if rank is not None:
+    r = _matrix.static_number(rank, 'rank')
+  else:
+    r = round(_matrix.static_number(density, 'density', float) * small)
+  r = min(max(r, 1), small)
+  return (jnp.zeros((small, r), jnp.float32),
+          jnp.zeros((big, r), jnp.float32))
+
+
+def _blockwise_leaf(g, refresh, chosen, active, mu, nu, c, *, b1, b2, eps,
+                    free_scale, free_update, reset_on_refresh):
+  """A whole leaf is state-full (Adam) or state-free for a period."""
+  g32 = g.astype(jnp.float32)
+  new_active = jnp.where(refresh, chosen, active)
+  if reset_on_refresh:  # Unless the leaf stays state-full.
+    keep = ~refresh | active
+    mu, nu = jnp.where(keep, mu, 0.), jnp.where(keep, nu, 0.)
+    c = jnp.where(keep, c, 0)
+  c_new = optax.safe_increment(c)
+  direction, mu_new, nu_new = _adam(g32, mu, nu, c_new, b1, b2, eps)
+  u = jnp.where(new_active, direction, free_scale * _free(g32, free_update))
+  return (u.astype(g.dtype), new_active,
+          jnp.where(new_active, mu_new, mu),
+          jnp.where(new_active, nu_new, nu),
+          jnp.where(new_active, c_new, c))
+
+
+def _projected_leaf(g, refresh, key, basis, mu, nu, c, *, projector, b1, b2,
+                    eps, free_scale, free_update, reset_on_refresh):
+  """Adam on the projection on ``basis``, state-free on the rest."""
+  gc, transposed = _matrix.as_tall_matrix(g)  # (big, small), float32.
+  small, r = basis.shape
+  new_basis = {
+      'svd': lambda: _matrix.top_right_singular_vectors(gc, r),
+      'random': lambda: _matrix.random_orthonormal(key, small, r),
+      'columns': lambda: _matrix.random_coordinates(key, small, r),
+  }[projector]
+  basis = jax.lax.cond(refresh, new_basis, lambda: basis)
+  if reset_on_refresh:
+    mu, nu = jnp.where(refresh, 0., mu), jnp.where(refresh, 0., nu)
+    c = jnp.where(refresh, 0, c)
+  c = optax.safe_increment(c)
+  low = gc @ basis
+  direction, mu, nu = _adam(low, mu, nu, c, b1, b2, eps)
+  u = direction @ basis.T
+  if r < small:  # At full rank the residual is rounding noise: drop it.
+    u = u + free_scale * _free(gc - low @ basis.T, free_update)
+  return _matrix.from_tall_matrix(u, transposed, g), basis, mu, nu, c
+
+
 def _core(
     density, update_gap, b1, b2, eps, free_scale, *, projector, rank,
     free_update, reset_on_refresh, seed):
   """FRUGAL on a tree of matrix leaves."""
+  rule = dict(b1=b1, b2=b2, eps=eps, free_scale=free_scale,
+              free_update=free_update, reset_on_refresh=reset_on_refresh)
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
-
-    def leaf_state(p):
-      m, n = matrix.matrix_shape(p.shape)
-      if projector == 'blockwise':
-        return None, jnp.zeros(p.shape, jnp.float32)
-      big, small = max(m, n), min(m, n)
-      if rank is not None:
-        r = matrix.static_number(rank, 'rank')
-      else:
-        r = round(matrix.static_number(density, 'density', float) * small)
-      r = min(max(r, 1), small)
-      return (jnp.zeros((small, r), jnp.float32),
-              jnp.zeros((big, r), jnp.float32))
-
-    states = [leaf_state(p) for p in leaves]
+    states = [_leaf_state(p, density, projector=projector, rank=rank)
+              for p in leaves]
     tree = lambda xs: jax.tree.unflatten(treedef, xs)
     blockwise = projector == 'blockwise'
     return FrugalState(
@@ -76,46 +122,6 @@ def _core(
         mu=tree([mo for _, mo in states]),
         nu=tree([mo for _, mo in states]),
         moment_count=tree([jnp.zeros([], jnp.int32) for _ in leaves]))
-
-  def blockwise_leaf(g, refresh, chosen, active, mu, nu, c):
-    """A whole leaf is state-full (Adam) or state-free for a period."""
-    g32 = g.astype(jnp.float32)
-    new_active = jnp.where(refresh, chosen, active)
-    if reset_on_refresh:  # Unless the leaf stays state-full.
-      keep = ~refresh | active
-      mu, nu = jnp.where(keep, mu, 0.), jnp.where(keep, nu, 0.)
-      c = jnp.where(keep, c, 0)
-    c_new = optax.safe_increment(c)
-    direction, mu_new, nu_new = _adam(g32, mu, nu, c_new, b1, b2, eps)
-    u = jnp.where(new_active, direction, free_scale * _free(g32, free_update))
-    return (u.astype(g.dtype), new_active,
-            jnp.where(new_active, mu_new, mu),
-            jnp.where(new_active, nu_new, nu),
-            jnp.where(new_active, c_new, c))
-
-  def projected_leaf(g, refresh, key, basis, mu, nu, c):
-    """Adam on the projection on ``basis``, state-free on the rest."""
-    gm = matrix.as_matrix(g).astype(jnp.float32)
-    transposed = gm.shape[0] < gm.shape[1]
-    gc = gm.T if transposed else gm  # Tall: (big, small).
-    small, r = basis.shape
-    new_basis = {
-        'svd': lambda: matrix.top_right_singular_vectors(gc, r),
-        'random': lambda: matrix.random_orthonormal(key, small, r),
-        'columns': lambda: matrix.random_coordinates(key, small, r),
-    }[projector]
-    basis = jax.lax.cond(refresh, new_basis, lambda: basis)
-    if reset_on_refresh:
-      mu, nu = jnp.where(refresh, 0., mu), jnp.where(refresh, 0., nu)
-      c = jnp.where(refresh, 0, c)
-    c = optax.safe_increment(c)
-    low = gc @ basis
-    direction, mu, nu = _adam(low, mu, nu, c, b1, b2, eps)
-    u = direction @ basis.T
-    if r < small:  # At full rank the residual is rounding noise: drop it.
-      u = u + free_scale * _free(gc - low @ basis.T, free_update)
-    u = u.T if transposed else u
-    return u.reshape(g.shape).astype(g.dtype), basis, mu, nu, c
 
   def update_fn(updates, state, params=None):
     del params
@@ -131,16 +137,17 @@ def _core(
       num = len(leaves)
       ranks = jnp.argsort(jnp.argsort(jax.random.uniform(step_key, (num,))))
       chosen = ranks < jnp.round(density * num)
-      out = [blockwise_leaf(*args) for args in zip(
+      out = [_blockwise_leaf(*args, **rule) for args in zip(
           leaves, [refresh] * num, chosen, flat(state.active),
           flat(state.mu), flat(state.nu), flat(state.moment_count))]
       updates, active, mu, nu, c = (tree(list(x)) for x in zip(*out))
       basis = None
     else:
       keys = [jax.random.fold_in(step_key, i) for i in range(len(leaves))]
-      out = [projected_leaf(g, refresh, *args) for g, *args in zip(
-          leaves, keys, flat(state.basis), flat(state.mu), flat(state.nu),
-          flat(state.moment_count))]
+      out = [_projected_leaf(g, refresh, *args, projector=projector, **rule)
+             for g, *args in zip(
+                 leaves, keys, flat(state.basis), flat(state.mu),
+                 flat(state.nu), flat(state.moment_count))]
       updates, basis, mu, nu, c = (tree(list(x)) for x in zip(*out))
       active = None
     return updates, FrugalState(
@@ -165,7 +172,7 @@ def scale_by_frugal(
     reset_on_refresh: bool = True,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""FRUGAL's direction: state-full Adam in a subspace, state-free outside.
 
@@ -219,7 +226,9 @@ def scale_by_frugal(
     reset_on_refresh: reset moments when the subspace changes.
     seed: seed of the PRNG key kept in the state.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -235,17 +244,14 @@ def scale_by_frugal(
     Optimization by Reducing State Overhead for Scalable Training`, 2024
     (ICML 2025).
   """
-  if projector not in ('blockwise', 'columns', 'random', 'svd'):
-    raise ValueError(f'unknown projector {projector!r}')
-  if free_update not in ('sign', 'sgd'):
-    raise ValueError(f'unknown free_update {free_update!r}')
-  core = matrix.gathered(_core(
+  _checks.one_of(projector, 'projector', typing.get_args(Projector))
+  _checks.one_of(free_update, 'free_update', typing.get_args(FreeUpdate))
+  core = _core(
       density, update_gap, b1, b2, eps, free_scale, projector=projector,
       rank=rank, free_update=free_update, reset_on_refresh=reset_on_refresh,
-      seed=seed))
-  if fallback is None:
-    fallback = matrix.adam_fallback(b1, b2, eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+      seed=seed)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, b1, b2, eps), matrix_mask)
 
 
 def frugal(
@@ -265,7 +271,7 @@ def frugal(
     reset_on_refresh: bool = True,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """FRUGAL: :func:`scale_by_frugal`, decoupled weight decay, learning rate.
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt.inner import _matrix
 
 
 class FiraState(NamedTuple):
@@ -29,9 +29,8 @@ def _core(rank, update_proj_gap, scale, b1, b2, eps, limiter_gamma, *,
   def init_fn(params):
 
     def leaf(p):
-      m, n = matrix.matrix_shape(p.shape)
-      big, small = max(m, n), min(m, n)
-      r = min(matrix.static_number(rank, 'rank'), small)
+      big, small = _matrix.tall_shape(p.shape)
+      r = min(_matrix.static_number(rank, 'rank'), small)
       return (jnp.zeros((small, r), jnp.float32),
               jnp.zeros((big, r), jnp.float32))
 
@@ -54,12 +53,10 @@ def _core(rank, update_proj_gap, scale, b1, b2, eps, limiter_gamma, *,
     step_factor = jnp.sqrt(1 - b2 ** cf) / (1 - b1 ** cf)
 
     def leaf(g, basis, mu, nu, prev_norm):
-      gm = matrix.as_matrix(g).astype(jnp.float32)
-      transposed = gm.shape[0] < gm.shape[1]
-      gc = gm.T if transposed else gm
+      gc, transposed = _matrix.as_tall_matrix(g)
       r = basis.shape[1]
       basis = jax.lax.cond(
-          refresh, lambda: matrix.top_right_singular_vectors(gc, r),
+          refresh, lambda: _matrix.top_right_singular_vectors(gc, r),
           lambda: basis)
       low = gc @ basis  # R, (big, r).
       mu = b1 * mu + (1 - b1) * low
@@ -79,8 +76,7 @@ def _core(rank, update_proj_gap, scale, b1, b2, eps, limiter_gamma, *,
           1.0)
       resid = resid / limiter
       u = step_factor * (scale * (normed @ basis.T) + resid)
-      u = u.T if transposed else u
-      return (u.reshape(g.shape).astype(g.dtype), basis, mu, nu,
+      return (_matrix.from_tall_matrix(u, transposed, g), basis, mu, nu,
               resid_norm / limiter)
 
     out = jax.tree.map(leaf, updates, state.basis, state.mu, state.nu,
@@ -104,7 +100,7 @@ def scale_by_fira(
     rank: int = 128,
     reference_compat: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""Fira's direction: low-rank Adam plus the scaled residual, limited.
 
@@ -150,7 +146,9 @@ def scale_by_fira(
     rank: static rank ``r`` (capped at ``min(m, n)`` per leaf).
     reference_compat: residual ``G - alpha * R V_r^T`` as in the reference.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -165,12 +163,10 @@ def scale_by_fira(
     Chen et al., `Fira: Can We Achieve Full-rank Training of LLMs Under
     Low-rank Constraint?`, 2024.
   """
-  core = matrix.gathered(_core(
-      rank, update_proj_gap, scale, b1, b2, eps, limiter_gamma,
-      reference_compat=reference_compat))
-  if fallback is None:
-    fallback = matrix.adam_fallback(b1, b2, eps)
-  return matrix.split_by_kind(core, fallback, matrix_mask)
+  core = _core(rank, update_proj_gap, scale, b1, b2, eps, limiter_gamma,
+               reference_compat=reference_compat)
+  return _matrix.matrix_optimizer(
+      core, _matrix.adam_fallback(fallback, b1, b2, eps), matrix_mask)
 
 
 def fira(
@@ -187,7 +183,7 @@ def fira(
     rank: int = 128,
     reference_compat: bool = False,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """Fira: :func:`scale_by_fira`, decoupled weight decay, learning rate.
 

@@ -2,13 +2,15 @@
 
 from collections.abc import Callable, Mapping, Sequence
 import math
+import typing
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from loc_opt.inner import matrix
+from loc_opt import _checks
+from loc_opt.inner import _matrix
 
 Sampler = Literal['progressive', 'bernoulli']
 
@@ -23,6 +25,46 @@ class SampledLayersState(NamedTuple):
 
 def _resolve(tree_or_fn, params):
   return tree_or_fn(params) if callable(tree_or_fn) else tree_or_fn
+
+
+def _leaf_transforms(transforms, param_labels, params):
+  """One transform per leaf of ``params`` (flatten order)."""
+  leaves = jax.tree.leaves(params)
+  if isinstance(transforms, optax.GradientTransformation):
+    return [transforms] * len(leaves)
+  labels = jax.tree.leaves(_resolve(param_labels, params))
+  if len(labels) != len(leaves):
+    raise ValueError('param_labels must give one label per leaf')
+  return [transforms[label] for label in labels]
+
+
+def _layer_ids(layers, params):
+  """``(layer id of each leaf, number of layers)``."""
+  num = len(jax.tree.leaves(params))
+  if layers is None:
+    return list(range(num)), num
+  ids = [int(i) for i in jax.tree.leaves(_resolve(layers, params))]
+  if len(ids) != num:
+    raise ValueError('layers must give one layer id per leaf')
+  num_layers = max(ids) + 1
+  if min(ids) < 0 or sorted(set(ids)) != list(range(num_layers)):
+    raise ValueError(f'layer ids must cover 0..L-1, got {sorted(set(ids))}')
+  return ids, num_layers
+
+
+def _sample(key, num_layers, drop_prob, *, sampler, start_probs):
+  """A bool ``(num_layers,)`` draw of the active layers."""
+  if sampler == 'bernoulli':
+    return jax.random.uniform(key, (num_layers,)) >= drop_prob
+  if start_probs is None:
+    start = jax.random.randint(key, (), 0, num_layers)
+  else:
+    if len(start_probs) != num_layers:
+      raise ValueError(f'start_probs has {len(start_probs)} entries for '
+                       f'{num_layers} layers')
+    logits = jnp.log(jnp.asarray(start_probs, jnp.float32))
+    start = jax.random.categorical(key, logits)
+  return jnp.arange(num_layers) >= start
 
 
 def sampled_layers(
@@ -73,33 +115,11 @@ def sampled_layers(
   Returns:
     A ``GradientTransformation``; ``state.active`` records the last draw.
   """
-  if sampler not in ('progressive', 'bernoulli'):
-    raise ValueError(f'unknown sampler {sampler!r}')
-
-  def leaf_transforms(params):
-    leaves = jax.tree.leaves(params)
-    if isinstance(transforms, optax.GradientTransformation):
-      return [transforms] * len(leaves)
-    labels = jax.tree.leaves(_resolve(param_labels, params))
-    if len(labels) != len(leaves):
-      raise ValueError('param_labels must give one label per leaf')
-    return [transforms[label] for label in labels]
-
-  def layer_ids(params):
-    num = len(jax.tree.leaves(params))
-    if layers is None:
-      return list(range(num)), num
-    ids = [int(i) for i in jax.tree.leaves(_resolve(layers, params))]
-    if len(ids) != num:
-      raise ValueError('layers must give one layer id per leaf')
-    num_layers = max(ids) + 1
-    if min(ids) < 0 or sorted(set(ids)) != list(range(num_layers)):
-      raise ValueError(f'layer ids must cover 0..L-1, got {sorted(set(ids))}')
-    return ids, num_layers
+  _checks.one_of(sampler, 'sampler', typing.get_args(Sampler))
 
   def init_fn(params):
-    txs = leaf_transforms(params)
-    _, num_layers = layer_ids(params)
+    txs = _leaf_transforms(transforms, param_labels, params)
+    _, num_layers = _layer_ids(layers, params)
     return SampledLayersState(
         count=jnp.zeros([], jnp.int32),
         key=jax.random.PRNGKey(seed),
@@ -107,26 +127,14 @@ def sampled_layers(
         inner_states=tuple(tx.init(p) for tx, p in
                            zip(txs, jax.tree.leaves(params))))
 
-  def sample(key, num_layers):
-    if sampler == 'bernoulli':
-      return jax.random.uniform(key, (num_layers,)) >= drop_prob
-    if start_probs is None:
-      start = jax.random.randint(key, (), 0, num_layers)
-    else:
-      if len(start_probs) != num_layers:
-        raise ValueError(f'start_probs has {len(start_probs)} entries for '
-                         f'{num_layers} layers')
-      logits = jnp.log(jnp.asarray(start_probs, jnp.float32))
-      start = jax.random.categorical(key, logits)
-    return jnp.arange(num_layers) >= start
-
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = ([None] * len(leaves) if params is None
                     else treedef.flatten_up_to(params))
-    txs = leaf_transforms(updates)
-    ids, num_layers = layer_ids(updates)
-    active = sample(jax.random.fold_in(state.key, state.count), num_layers)
+    txs = _leaf_transforms(transforms, param_labels, updates)
+    ids, num_layers = _layer_ids(layers, updates)
+    active = _sample(jax.random.fold_in(state.key, state.count), num_layers,
+                     drop_prob, sampler=sampler, start_probs=start_probs)
     new_updates, new_states = [], []
     for tx, i, g, s, p in zip(txs, ids, leaves, state.inner_states,
                               param_leaves):
@@ -152,7 +160,7 @@ def _scale_by_width() -> optax.GradientTransformation:
     del params
 
     def scale(u):
-      fan_in, fan_out = matrix.matrix_shape(u.shape)
+      fan_in, fan_out = _matrix.matrix_shape(u.shape)
       return u * math.sqrt(max(1.0, fan_out / fan_in))
 
     return jax.tree.map(scale, updates), state
@@ -173,7 +181,7 @@ def scale_by_drop_muon(
     adam_b1: jax.typing.ArrayLike = 0.9,
     adam_b2: jax.typing.ArrayLike = 0.999,
     *,
-    ns_coeffs: Sequence[float] = matrix.MUON_NS_COEFFS,
+    ns_coeffs: Sequence[float] = _matrix.MUON_NS_COEFFS,
     nesterov: bool = True,
     mu_dtype: Any = None,
     sampler: Sampler = 'progressive',
@@ -181,7 +189,7 @@ def scale_by_drop_muon(
     layers: Any | Callable[[Any], Any] | None = None,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   r"""Drop-Muon's direction: Muon on the sampled layers, nothing elsewhere.
 
@@ -220,7 +228,9 @@ def scale_by_drop_muon(
     layers: layer ids of the leaves; see :func:`sampled_layers`.
     seed: seed of the sampler's key.
     fallback: transform for non-matrix leaves.
-    matrix_mask: which leaves are matrices (see ``matrix.matrix_labels``).
+    matrix_mask: which leaves get the matrix rule: a tree of bools like the
+      params, or a function of the params returning one; None: every leaf
+      with two or more dimensions.
 
   Returns:
     A ``GradientTransformation``.
@@ -236,16 +246,16 @@ def scale_by_drop_muon(
     Faster`, 2025.
   """
   muon = optax.chain(
-      matrix.gathered(optax.contrib.scale_by_muon(
+      _matrix.gathered(optax.contrib.scale_by_muon(
           ns_coeffs=tuple(ns_coeffs), ns_steps=ns_steps, beta=beta, eps=eps,
           mu_dtype=mu_dtype, nesterov=nesterov,
           weight_dimension_numbers=_dimension_numbers)),
       _scale_by_width())
-  if fallback is None:
-    fallback = matrix.adam_fallback(adam_b1, adam_b2, eps, nesterov=nesterov)
+  fallback = _matrix.adam_fallback(fallback, adam_b1, adam_b2, eps,
+                                   nesterov=nesterov)
   return sampled_layers(
-      {matrix.MATRIX: muon, matrix.OTHER: fallback},
-      lambda params: matrix.matrix_labels(params, matrix_mask),
+      {_matrix.MATRIX: muon, _matrix.OTHER: fallback},
+      lambda params: _matrix.matrix_labels(params, matrix_mask),
       drop_prob, sampler=sampler, start_probs=start_probs, layers=layers,
       seed=seed)
 
@@ -261,7 +271,7 @@ def drop_muon(
     weight_decay: jax.typing.ArrayLike = 0.0,
     mask: Any | None = None,
     *,
-    ns_coeffs: Sequence[float] = matrix.MUON_NS_COEFFS,
+    ns_coeffs: Sequence[float] = _matrix.MUON_NS_COEFFS,
     nesterov: bool = True,
     mu_dtype: Any = None,
     sampler: Sampler = 'progressive',
@@ -269,7 +279,7 @@ def drop_muon(
     layers: Any | Callable[[Any], Any] | None = None,
     seed: int = 0,
     fallback: optax.GradientTransformation | None = None,
-    matrix_mask: matrix.MatrixMask = None,
+    matrix_mask: _matrix.MatrixMask = None,
 ) -> optax.GradientTransformation:
   """Drop-Muon: :func:`scale_by_drop_muon`, weight decay, learning rate.
 
