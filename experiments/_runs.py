@@ -58,3 +58,25 @@ def require_optimizers(names) -> None:
   if missing:
     raise app.UsageError(f'optimizers {missing} are not in '
                          f'loc_opt.inner.OPTIMIZERS {sorted(inner.OPTIMIZERS)}')
+
+
+def setup(cpu_devices: int) -> None:
+  """Quiet logs and ``cpu_devices`` virtual CPU devices; call first in
+  ``main``, before anything touches a JAX backend."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)
+  jax.config.update('jax_num_cpu_devices', cpu_devices)
+
+
+def chosen(names, known, flag: str = '--runs') -> list[str]:
+  """``names`` (all of ``known`` when empty), or a usage error naming the
+  unknown ones."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  names = list(names or known)
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    raise app.UsageError(f'unknown {flag} {unknown}; choose from '
+                         f'{list(known)}')
+  return names
+

@@ -15,8 +15,9 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
+
+from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -39,9 +40,8 @@ def time_steps(step_fn, state, batch, n):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  _runs.setup(_CPU_DEVICES.value)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   from loc_opt import train  # pylint: disable=g-import-not-at-top

@@ -21,8 +21,9 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
+
+from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -89,17 +90,12 @@ def _plot(rows, path):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  _runs.setup(_CPU_DEVICES.value)
   import ml_collections  # pylint: disable=g-import-not-at-top
   from loc_opt import train  # pylint: disable=g-import-not-at-top
   from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
 
-  names = _RUNS.value or list(RUNS)
-  unknown = sorted(set(names) - set(RUNS))
-  if unknown:
-    raise app.UsageError(f'unknown --runs {unknown}; choose from {list(RUNS)}')
+  names = _runs.chosen(_RUNS.value, RUNS)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = []
   for name in names:

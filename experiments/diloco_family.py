@@ -33,7 +33,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from experiments import _runs
@@ -170,16 +169,11 @@ def _plot(rows, path, ylim=(1.6, 2.6)):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  _runs.setup(_CPU_DEVICES.value)
   from loc_opt import train  # pylint: disable=g-import-not-at-top
   from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
 
-  names = _RUNS.value or list(RUNS)
-  unknown = sorted(set(names) - set(RUNS))
-  if unknown:
-    raise app.UsageError(f'unknown --runs {unknown}; choose from {list(RUNS)}')
+  names = _runs.chosen(_RUNS.value, RUNS)
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
   h, straggler = _SYNC_EVERY.value, _STRAGGLER.value

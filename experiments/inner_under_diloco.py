@@ -16,7 +16,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from experiments import _runs
@@ -49,9 +48,7 @@ SETTINGS = {
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  _runs.setup(_CPU_DEVICES.value)
   from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
 
   _runs.require_optimizers(_OPTIMIZERS.value)

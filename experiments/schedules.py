@@ -31,7 +31,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from experiments import _runs
@@ -55,9 +54,7 @@ SHAPES = ('linear', 'cosine', '1-sqrt', '1-square')
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  _runs.setup(_CPU_DEVICES.value)
   from loc_opt import schedules  # pylint: disable=g-import-not-at-top
   from loc_opt import train  # pylint: disable=g-import-not-at-top
 

@@ -33,7 +33,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 import numpy as np
 
@@ -97,9 +96,7 @@ def recovery(train: dict[int, float], spikes: list[int], end: int,
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  _runs.setup(_CPU_DEVICES.value)
   from loc_opt import train  # pylint: disable=g-import-not-at-top
 
   _runs.require_optimizers(_OPTIMIZERS.value)

@@ -11,6 +11,8 @@ them next to the scheme's theoretical payload and the fp32 bytes.
 from absl import app
 from absl import flags
 
+from experiments import _runs
+
 _ROWS = flags.DEFINE_integer('rows', 512, 'Rows of the weight matrix.')
 _COLS = flags.DEFINE_integer('cols', 512, 'Columns of the weight matrix.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
@@ -32,8 +34,8 @@ EXTRA = {
 
 def main(argv):
   del argv
+  _runs.setup(_CPU_DEVICES.value)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from loc_opt import compression  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top

@@ -96,9 +96,10 @@ def in_interval(value: Any, name: str, low: float, high: float, *,
 def one_of(value: Any, name: str, choices: Any) -> Any:
   """``value`` if it is one of ``choices``, else a ``ValueError`` listing
   them."""
-  if value not in tuple(choices):
-    raise ValueError(
-        f'{name} must be one of {sorted(map(repr, choices))}, got {value!r}')
+  choices = tuple(choices)
+  if value not in choices:
+    listed = ', '.join(sorted(map(repr, choices)))
+    raise ValueError(f'{name} must be one of {listed}, got {value!r}')
   return value
 
 
