@@ -63,6 +63,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
 from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import packing
 
@@ -72,10 +73,7 @@ _ROUNDINGS = ('nearest', 'stochastic')
 
 # ------------------------------------------------------------- helpers ---
 def _stochastic(rounding: str) -> bool:
-  if rounding not in _ROUNDINGS:
-    raise ValueError(f'rounding must be one of {_ROUNDINGS}, got '
-                     f'{rounding!r}')
-  return rounding == 'stochastic'
+  return _checks.one_of(rounding, 'rounding', _ROUNDINGS) == 'stochastic'
 
 
 def _check_block(block_size: int | None, unit: int) -> int:
@@ -315,9 +313,7 @@ def fp8_codec(fmt: str = 'e4m3', block_size: int | None = 256, *,
   Returns:
     The codec (``'fp8_<fmt>'``, with ``'_sr'`` when stochastic).
   """
-  if fmt not in _FP8:
-    raise ValueError(f'fmt must be one of {sorted(_FP8)}, got {fmt!r}')
-  dtype, mantissa, emin, qmax = _FP8[fmt]
+  dtype, mantissa, emin, qmax = _FP8[_checks.one_of(fmt, 'fmt', _FP8)]
   stochastic = _stochastic(rounding)
 
   def quantize(y, key):
@@ -373,9 +369,7 @@ def fp4_codec(fmt: str = 'e2m1', block_size: int | None = 256, *,
   Returns:
     The codec (``'fp4_<fmt>'``, with ``'_sr'`` when stochastic).
   """
-  if fmt not in FP4_GRIDS:
-    raise ValueError(f'fmt must be one of {sorted(FP4_GRIDS)}, got {fmt!r}')
-  grid = FP4_GRIDS[fmt]
+  grid = FP4_GRIDS[_checks.one_of(fmt, 'fmt', FP4_GRIDS)]
   stochastic = _stochastic(rounding)
 
   def quantize(y, key):
