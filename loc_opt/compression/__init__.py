@@ -11,9 +11,9 @@
 * Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
   :mod:`~loc_opt.compression.sparse` (top-k, random-k),
   :mod:`~loc_opt.compression.dct` (chunked DCT for DeMo/SparseLoCo).
-* Compressors: :func:`powersgd` (:mod:`~loc_opt.compression.lowrank`),
-  :func:`terngrad` (:mod:`~loc_opt.compression.ternary`), :func:`dgc`
-  (:mod:`~loc_opt.compression.deep_gradient`),
+* Compressors: :func:`powersgd` (:mod:`~loc_opt.compression.powersgd`),
+  :func:`terngrad` (:mod:`~loc_opt.compression.terngrad`), :func:`dgc`
+  (:mod:`~loc_opt.compression.dgc`),
   :mod:`~loc_opt.compression.lgreco` (layer-wise levels).
 * :mod:`~loc_opt.compression.registry`: everything by name.
 """
@@ -38,13 +38,13 @@ from loc_opt.compression.feedback import econtrol
 from loc_opt.compression.feedback import error_feedback
 from loc_opt.compression.feedback import FEEDBACK
 from loc_opt.compression.feedback import with_feedback
-from loc_opt.compression.deep_gradient import dgc
-from loc_opt.compression.deep_gradient import dgc_warmup_ratio
+from loc_opt.compression.dgc import dgc
+from loc_opt.compression.dgc import dgc_warmup_ratio
 from loc_opt.compression.lgreco import lgreco_errors
 from loc_opt.compression.lgreco import lgreco_plan
 from loc_opt.compression.lgreco import lgreco_replan
 from loc_opt.compression.lgreco import per_leaf
-from loc_opt.compression.lowrank import powersgd
+from loc_opt.compression.powersgd import powersgd
 from loc_opt.compression.quant import fp4_codec
 from loc_opt.compression.quant import fp8_codec
 from loc_opt.compression.quant import int4_codec
@@ -57,4 +57,4 @@ from loc_opt.compression.registry import make_codec
 from loc_opt.compression.registry import make_compressor
 from loc_opt.compression.sparse import randomk_codec
 from loc_opt.compression.sparse import topk_codec
-from loc_opt.compression.ternary import terngrad
+from loc_opt.compression.terngrad import terngrad

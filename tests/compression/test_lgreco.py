@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loc_opt import compression
 from loc_opt import parallel
 from loc_opt.compression import quant
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression import lgreco
-from loc_opt.compression import lowrank as powersgd
 
 W = 4
 
@@ -86,7 +86,7 @@ def test_errors_are_measured_per_leaf_and_candidate():
   low = jnp.outer(_normal(0, (40,)), _normal(1, (30,)))
   full = _normal(2, (40, 30))
   tree = {'a_low': low, 'b_full': full, 'c_bias': jnp.ones(30)}
-  cands = [powersgd.powersgd(1), powersgd.powersgd(4), None,
+  cands = [compression.powersgd(1), compression.powersgd(4), None,
            quant.int8_codec(block_size=30)]
   errors, sizes = lgreco.lgreco_errors(tree, cands)
   assert errors.shape == sizes.shape == (3, 4)
@@ -111,8 +111,8 @@ def test_replan_builds_a_cheaper_per_leaf_compressor():
   u, _ = np.linalg.qr(_normal(13, (32, 8)))
   v, _ = np.linalg.qr(_normal(14, (24, 8)))
   tree = {'a': low, 'b': u @ v.T}
-  cands = [powersgd.powersgd(1), powersgd.powersgd(2), powersgd.powersgd(4),
-           powersgd.powersgd(8)]
+  cands = [compression.powersgd(1), compression.powersgd(2),
+           compression.powersgd(4), compression.powersgd(8)]
   plan = lgreco.lgreco_replan(tree, cands, reference=2, bins=200)
   assert plan.budget == pytest.approx(plan.errors[:, 2].sum())
   np.testing.assert_allclose(plan.errors[1], [7, 6, 4, 0], atol=1e-4)
@@ -152,7 +152,7 @@ def test_per_leaf_checks_the_leaf_count():
 
 def test_shard_map_bytes_follow_the_choices():
   mesh = parallel.make_worker_mesh(4, data=2)
-  comp = lgreco.per_leaf([None, powersgd.powersgd(2),
+  comp = lgreco.per_leaf([None, compression.powersgd(2),
                           quant.int8_codec(block_size=64)])
   tree = {'a': _normal(3, (W, 128)),
           'b': _normal(4, (W, 256, 128)),
