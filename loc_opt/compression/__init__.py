@@ -3,9 +3,10 @@
 * :mod:`~loc_opt.compression.codecs`: stateless wire formats over flat
   arrays (:class:`Codec`).
 * :mod:`~loc_opt.compression.compressor`: stateful means over the worker axis
-  (:class:`Compressor`), :func:`compressed_mean` and the gradient
-  transformation :func:`compressed_all_reduce`.
+  (:class:`Compressor`) and :func:`compressed_mean`.
 * :mod:`~loc_opt.compression.feedback`: error feedback (EF, EF21, EControl).
+* :mod:`~loc_opt.compression.all_reduce`: :func:`build_compressor` and the
+  gradient transformation :func:`compressed_all_reduce`.
 * :mod:`~loc_opt.compression.comm`: collectives that spread payloads over a
   worker's devices so each element crosses workers once.
 * Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
@@ -16,17 +17,23 @@
   (:mod:`~loc_opt.compression.dgc`),
   :mod:`~loc_opt.compression.lgreco` (layer-wise levels).
 * :mod:`~loc_opt.compression.registry`: everything by name.
+
+Inside the package, modules import only from the layers below their own:
+the wire formats (``codecs``, ``comm``, ``packing``, ``quant``, ``sparse``,
+``dct``); ``compressor``; ``feedback`` and the compressors (``dgc``,
+``powersgd``, ``terngrad``, ``lgreco``); ``all_reduce`` and ``registry``.
+``loc_opt.parallel`` may import this package, never the reverse.
 """
 
+from loc_opt.compression.all_reduce import build_compressor
+from loc_opt.compression.all_reduce import compressed_all_reduce
+from loc_opt.compression.all_reduce import CompressedAllReduceState
 from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
 from loc_opt.compression.compressor import as_compressor
-from loc_opt.compression.compressor import build_compressor
-from loc_opt.compression.compressor import compressed_all_reduce
 from loc_opt.compression.compressor import compressed_mean
-from loc_opt.compression.compressor import CompressedAllReduceState
 from loc_opt.compression.compressor import Compressor
 from loc_opt.compression.compressor import from_codec
 from loc_opt.compression.compressor import leafwise
