@@ -343,8 +343,9 @@ def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
   """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
 
   For schemes with state (error feedback, PowerSGD warm starts) use
-  :func:`~loc_opt.compression.compressed_all_reduce` or ``loc_opt.diloco(..., codec=...)``, which
-  carry it across steps; here any state starts fresh and is dropped.
+  :func:`~loc_opt.compression.compressed_all_reduce` or
+  ``loc_opt.diloco(..., codec=...)``, which carry it across steps; here any
+  state starts fresh and is dropped.
 
   Args:
     tree: this worker's pytree of float arrays.

@@ -8,23 +8,12 @@ import numpy as np
 import pytest
 
 from loc_opt import compression
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression.dgc import sampled_top_k
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _runner(comp):
-  comm = comm_lib.Comm('worker')
-  return jax.jit(jax.vmap(lambda t, s, k: comp.mean(t, s, comm, k),
-                          in_axes=(0, 0, None), axis_name='worker'))
+from tests.compression._helpers import mean_runner as _runner
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def test_warmup_ratio_vector():
@@ -231,23 +220,14 @@ def test_rejects_bad_density():
 
 @pytest.mark.parametrize('compat', [False, True])
 def test_shard_map_moves_values_and_indices_only(compat):
-  mesh = parallel.make_worker_mesh(4, data=2)
   comp = compression.dgc(0.01, reference_compat=compat)
   tree = {'w': _normal(6, (W, 256, 128)),
           'b': _normal(7, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 8 * math.ceil(0.01 * 256 * 128) + 4 * 128
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.05 * 4 * (256 * 128 + 128)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-6)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)

@@ -8,18 +8,12 @@ import numpy as np
 import pytest
 
 from loc_opt import compression
-from loc_opt import parallel
-from loc_opt.compression import quant
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression import lgreco
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from loc_opt.compression import quant
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _brute_force(errors, sizes, budget):
@@ -129,7 +123,7 @@ def test_replan_builds_a_cheaper_per_leaf_compressor():
   # its state is threaded through (the second call is warm-started).
   comp = plan.compressor
   stacked = jax.tree.map(lambda x: jnp.stack([x] * W), tree)
-  comm = comm_lib.Comm('worker')
+  comm = compression.Comm('worker')
   fn = jax.jit(jax.vmap(lambda t, s: comp.mean(t, s, comm, jax.random.key(2)),
                         axis_name='worker'))
   state = jax.vmap(comp.init)(stacked)
@@ -151,25 +145,16 @@ def test_per_leaf_checks_the_leaf_count():
 
 
 def test_shard_map_bytes_follow_the_choices():
-  mesh = parallel.make_worker_mesh(4, data=2)
   comp = lgreco.per_leaf([None, compression.powersgd(2),
                           quant.int8_codec(block_size=64)])
   tree = {'a': _normal(3, (W, 128)),
           'b': _normal(4, (W, 256, 128)),
           'c': _normal(5, (W, 64, 64))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 4 * 128 + 4 * 2 * (256 + 128) + 4096 + 4 * 64
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.15 * 4 * (128 + 256 * 128 + 64 * 64)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   for name in tree:
     np.testing.assert_allclose(out[name], want[name], atol=1e-4)

@@ -7,26 +7,18 @@ import optax
 import pytest
 
 from loc_opt import compression
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression.powersgd import compressed_rank
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from tests.compression._helpers import mean_runner
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _run(compressor, trees, steps=1, key=jax.random.key(3)):
   """Runs ``steps`` calls under vmap; returns (mean, sent, state) per step."""
   state = jax.vmap(compressor.init)(trees[0])
-  comm = comm_lib.Comm('worker')
-  fn = jax.jit(jax.vmap(
-      lambda t, s, k: compressor.mean(t, s, comm, k),
-      in_axes=(0, 0, None), axis_name='worker'))
+  fn = mean_runner(compressor)
   out = []
   for i in range(steps):
     mean, sent, state = fn(trees[i % len(trees)], state,
@@ -148,25 +140,15 @@ def test_rejects_bad_arguments():
 
 
 def test_shard_map_moves_the_low_rank_factors_only():
-  mesh = parallel.make_worker_mesh(4, data=2)
   comp = compression.powersgd(rank=4)
   tree = {'w': _normal(6, (W, 256, 128)),
           'b': _normal(7, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  one = jax.tree.map(lambda x: x[0], tree)
-  theory = comp.payload_bytes(one)
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 4 * 4 * (256 + 128) + 4 * 128
   got = report.cross_worker_bytes_per_worker
   assert theory <= got <= 1.1 * theory, report.summary()
   assert got < 0.1 * 4 * (256 * 128 + 128)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-4)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)
 
@@ -181,7 +163,7 @@ def test_compressed_all_reduce_with_sgd_fits_least_squares():
     return jnp.mean(jnp.sum((xb @ p['w'] + p['b'] - yb) ** 2, axis=-1))
 
   tx = optax.chain(
-      compressor_lib.compressed_all_reduce(
+      compression.compressed_all_reduce(
           compression.powersgd(rank=2), 'worker'),
       optax.sgd(0.1))
 

@@ -6,22 +6,16 @@ import numpy as np
 import pytest
 
 from loc_opt import compression
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression.terngrad import pack_ternary
 from loc_opt.compression.terngrad import unpack_ternary
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _mean_fn(comp):
-  comm = comm_lib.Comm('worker')
+  comm = compression.Comm('worker')
   return jax.vmap(lambda t, k: comp.mean(t, comp.init(t), comm, k)[:2],
                   in_axes=(0, None), axis_name='worker')
 
@@ -95,25 +89,16 @@ def test_rejects_negative_scaler():
 
 
 def test_shard_map_moves_packed_codes():
-  mesh = parallel.make_worker_mesh(4, data=2)
   comp = compression.terngrad()
   tree = {'w': _normal(8, (W, 256, 128)),
           'b': _normal(9, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == (256 * 128 + 128) // 4 + 2 * 4
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.07 * 4 * (256 * 128 + 128)
   assert 'u8' in {c.shape.split('[')[0] for c in report.collectives
                   if c.cross_worker}
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-6)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)
