@@ -220,13 +220,8 @@ def int8_codec(block_size: int | None = 256, *,
     >>> codec = int8_codec(64, rounding='stochastic')
     >>> payload = codec.encode(x, jax.random.fold_in(key, worker))
   """
-  stochastic = _stochastic(rounding)
-  return _absmax_codec(
-      'int8_sr' if stochastic else 'int8', block_size, qmax=127.0, bits=8,
-      stochastic=stochastic,
-      quantize=lambda y, key: jnp.clip(_round_int(y, key), -127,
-                                       127).astype(jnp.int8),
-      dequantize=lambda q: q.astype(jnp.float32))
+  return _integer_codec(8, block_size, rounding,
+                        dequantize=lambda q: q.astype(jnp.float32))
 
 
 def int4_codec(block_size: int | None = 256, *,
@@ -244,13 +239,23 @@ def int4_codec(block_size: int | None = 256, *,
   Returns:
     The codec (``'int4'`` or ``'int4_sr'``).
   """
-  stochastic = _stochastic(rounding)
-  return _absmax_codec(
-      'int4_sr' if stochastic else 'int4', block_size, qmax=7.0, bits=4,
-      stochastic=stochastic,
-      quantize=lambda y, key: jnp.clip(_round_int(y, key), -7,
-                                       7).astype(jnp.int8),
+  return _integer_codec(
+      4, block_size, rounding,
       dequantize=lambda q: packing.to_signed_4bit(q).astype(jnp.float32))
+
+
+def _integer_codec(bits: int, block_size: int | None, rounding: str, *,
+                   dequantize: Callable[[jax.Array], jax.Array]) -> Codec:
+  """Block-wise absmax ``bits``-bit integers in ``[-Q, Q]``,
+  ``Q = 2**(bits - 1) - 1``, sent as ``int8`` (packed when ``bits < 8``)."""
+  stochastic = _stochastic(rounding)
+  q = 2 ** (bits - 1) - 1
+  return _absmax_codec(
+      f'int{bits}' + ('_sr' if stochastic else ''), block_size,
+      qmax=float(q), bits=bits, stochastic=stochastic,
+      quantize=lambda y, key: jnp.clip(_round_int(y, key), -q,
+                                       q).astype(jnp.int8),
+      dequantize=dequantize)
 
 
 # ----------------------------------------------------------------- fp8 ---
