@@ -3,30 +3,37 @@
 * :mod:`~loc_opt.compression.codecs`: stateless wire formats over flat
   arrays (:class:`Codec`).
 * :mod:`~loc_opt.compression.compressor`: stateful means over the worker axis
-  (:class:`Compressor`), :func:`compressed_mean` and the gradient
-  transformation :func:`compressed_all_reduce`.
+  (:class:`Compressor`) and :func:`compressed_mean`.
 * :mod:`~loc_opt.compression.feedback`: error feedback (EF, EF21, EControl).
+* :mod:`~loc_opt.compression.all_reduce`: :func:`build_compressor` and the
+  gradient transformation :func:`compressed_all_reduce`.
 * :mod:`~loc_opt.compression.comm`: collectives that spread payloads over a
   worker's devices so each element crosses workers once.
 * Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
   :mod:`~loc_opt.compression.sparse` (top-k, random-k),
   :mod:`~loc_opt.compression.dct` (chunked DCT for DeMo/SparseLoCo).
-* Compressors: :func:`powersgd` (:mod:`~loc_opt.compression.lowrank`),
-  :func:`terngrad` (:mod:`~loc_opt.compression.ternary`), :func:`dgc`
-  (:mod:`~loc_opt.compression.deep_gradient`),
+* Compressors: :func:`powersgd` (:mod:`~loc_opt.compression.powersgd`),
+  :func:`terngrad` (:mod:`~loc_opt.compression.terngrad`), :func:`dgc`
+  (:mod:`~loc_opt.compression.dgc`),
   :mod:`~loc_opt.compression.lgreco` (layer-wise levels).
 * :mod:`~loc_opt.compression.registry`: everything by name.
+
+Inside the package, modules import only from the layers below their own:
+the wire formats (``codecs``, ``comm``, ``packing``, ``quant``, ``sparse``,
+``dct``); ``compressor``; ``feedback`` and the compressors (``dgc``,
+``powersgd``, ``terngrad``, ``lgreco``); ``all_reduce`` and ``registry``.
+``loc_opt.parallel`` may import this package, never the reverse.
 """
 
+from loc_opt.compression.all_reduce import build_compressor
+from loc_opt.compression.all_reduce import compressed_all_reduce
+from loc_opt.compression.all_reduce import CompressedAllReduceState
 from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
 from loc_opt.compression.compressor import as_compressor
-from loc_opt.compression.compressor import build_compressor
-from loc_opt.compression.compressor import compressed_all_reduce
 from loc_opt.compression.compressor import compressed_mean
-from loc_opt.compression.compressor import CompressedAllReduceState
 from loc_opt.compression.compressor import Compressor
 from loc_opt.compression.compressor import from_codec
 from loc_opt.compression.compressor import leafwise
@@ -38,13 +45,13 @@ from loc_opt.compression.feedback import econtrol
 from loc_opt.compression.feedback import error_feedback
 from loc_opt.compression.feedback import FEEDBACK
 from loc_opt.compression.feedback import with_feedback
-from loc_opt.compression.deep_gradient import dgc
-from loc_opt.compression.deep_gradient import dgc_warmup_ratio
+from loc_opt.compression.dgc import dgc
+from loc_opt.compression.dgc import dgc_warmup_ratio
 from loc_opt.compression.lgreco import lgreco_errors
 from loc_opt.compression.lgreco import lgreco_plan
 from loc_opt.compression.lgreco import lgreco_replan
 from loc_opt.compression.lgreco import per_leaf
-from loc_opt.compression.lowrank import powersgd
+from loc_opt.compression.powersgd import powersgd
 from loc_opt.compression.quant import fp4_codec
 from loc_opt.compression.quant import fp8_codec
 from loc_opt.compression.quant import int4_codec
@@ -57,4 +64,4 @@ from loc_opt.compression.registry import make_codec
 from loc_opt.compression.registry import make_compressor
 from loc_opt.compression.sparse import randomk_codec
 from loc_opt.compression.sparse import topk_codec
-from loc_opt.compression.ternary import terngrad
+from loc_opt.compression.terngrad import terngrad

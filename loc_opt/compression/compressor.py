@@ -14,9 +14,10 @@ package:
 * wrappers add error feedback (:mod:`loc_opt.compression.feedback`) or send
   some leaves uncompressed (:func:`partition`).
 
-Two users sit on top: :func:`compressed_all_reduce`, a gradient
-transformation for data-parallel training, and ``loc_opt.diloco(...,
-codec=...)`` for pseudo-gradients.
+Two users sit on top: :func:`~loc_opt.compression.compressed_all_reduce`
+(:mod:`loc_opt.compression.all_reduce`), a gradient transformation for
+data-parallel training, and ``loc_opt.diloco(..., codec=...)`` for
+pseudo-gradients.
 
 Contract of ``mean(tree, state, comm, key) -> (mean, transmitted, state)``:
 
@@ -31,12 +32,13 @@ Contract of ``mean(tree, state, comm, key) -> (mean, transmitted, state)``:
 """
 
 from collections.abc import Callable
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from loc_opt import _checks
 from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import comm as comm_lib
 
@@ -56,7 +58,8 @@ class Compressor(NamedTuple):
       (operands of its cross-worker collectives), from the leaf shapes.
     feedback: whether the scheme already keeps an error (PowerSGD, DGC, or
       any error-feedback wrapper); wrapping it in another one would count
-      the same error twice, and :func:`build_compressor` refuses to.
+      the same error twice, and
+      :func:`~loc_opt.compression.build_compressor` refuses to.
   """
 
   name: str
@@ -69,6 +72,57 @@ class Compressor(NamedTuple):
 def f32(tree: Any) -> Any:
   """Casts every leaf to float32."""
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def mean_leaves(
+    tree: Any,
+    states: Any,
+    comm: comm_lib.Comm,
+    key: jax.Array,
+    mean_leaf: Callable[..., tuple[jax.Array, jax.Array, Any]],
+    *,
+    plain: Callable[[Any], bool] | None = None,
+    plain_leaf: Callable[[jax.Array, Any], tuple[jax.Array, Any]] | None = None,
+) -> tuple[Any, Any, list[Any]]:
+  """The mean of ``tree`` leaf by leaf, plain leaves in one fp32 ``pmean``.
+
+  The common body of the ``mean`` of compressors that treat each leaf on its
+  own and send some leaves (vectors, small matrices) uncompressed: those are
+  averaged together in float32, report themselves as transmitted, and keep
+  their state unless ``plain_leaf`` updates it.
+
+  Args:
+    tree: this worker's pytree.
+    states: one state per leaf, in ``jax.tree.leaves`` order.
+    comm: the collectives.
+    key: PRNG key; leaf ``i`` gets ``jax.random.fold_in(key, i)``.
+    mean_leaf: ``(x, state, key) -> (mean, transmitted, state)`` for the
+      leaves that are not plain.
+    plain: ``leaf -> bool``, the leaves averaged in fp32 (``None``: none).
+    plain_leaf: ``(mean, state) -> (output, state)`` applied to a plain
+      leaf's fp32 mean (``None``: the mean as it is).
+
+  Returns:
+    ``(mean, transmitted, states)``: two trees like ``tree`` and the list of
+    new per-leaf states.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  chosen = [i for i, x in enumerate(leaves) if plain is not None and plain(x)]
+  plain_means = dict(zip(chosen, comm.pmean(
+      [jnp.asarray(leaves[i], jnp.float32) for i in chosen])))
+  means, sent, new = [], [], []
+  for i, (x, s) in enumerate(zip(leaves, states, strict=True)):
+    if i in plain_means:
+      m = plain_means[i]
+      if plain_leaf is not None:
+        m, s = plain_leaf(m, s)
+      t = jnp.asarray(x, jnp.float32)
+    else:
+      m, t, s = mean_leaf(x, s, jax.random.fold_in(key, i))
+    means.append(m)
+    sent.append(t)
+    new.append(s)
+  return treedef.unflatten(means), treedef.unflatten(sent), new
 
 
 def leafwise(
@@ -94,14 +148,9 @@ def leafwise(
     return tuple(init_leaf(x) for x in jax.tree.leaves(tree))
 
   def mean(tree, state, comm, key):
-    leaves, treedef = jax.tree.flatten(tree)
-    means, sent, new = [], [], []
-    for i, (x, s) in enumerate(zip(leaves, state, strict=True)):
-      m, t, s = mean_leaf(x, s, comm, jax.random.fold_in(key, i))
-      means.append(m)
-      sent.append(t)
-      new.append(s)
-    return (treedef.unflatten(means), treedef.unflatten(sent), tuple(new))
+    means, sent, new = mean_leaves(
+        tree, state, comm, key, lambda x, s, k: mean_leaf(x, s, comm, k))
+    return means, sent, tuple(new)
 
   def payload_bytes(tree):
     return int(sum(bytes_leaf(tuple(x.shape)) for x in jax.tree.leaves(tree)))
@@ -142,13 +191,11 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   Returns:
     A stateless compressor.
   """
-  if reduce not in REDUCTIONS:
-    raise ValueError(f'unknown reduce {reduce!r}; choose one of '
-                     f'{list(REDUCTIONS)}')
+  _checks.one_of(reduce, 'reduce', REDUCTIONS)
   two_phase = reduce == 'two_phase' and not codec.linear
-  if two_phase and (workers is None or workers < 1):
-    raise ValueError('reduce=\'two_phase\' needs workers >= 1, got '
-                     f'{workers}')
+  if two_phase:
+    workers = _checks.positive_int(
+        workers, 'workers (for reduce=\'two_phase\')', arrays=True)
 
   def decode_all(payloads, n, key):
     return jax.vmap(lambda p: codec.decode(p, n, key))(payloads)
@@ -225,10 +272,7 @@ def min_size(size: int) -> Eligible:
   """An eligibility predicate: leaves with at least ``size`` elements."""
   def eligible(path, x):
     del path
-    n = 1
-    for d in x.shape:
-      n *= d
-    return n >= size
+    return _size(x) >= size
   return eligible
 
 
@@ -290,10 +334,7 @@ def partition(compressor: Compressor, eligible: Eligible | None) -> Compressor:
 
 
 def _size(x) -> int:
-  n = 1
-  for d in x.shape:
-    n *= d
-  return n
+  return math.prod(x.shape)
 
 
 def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
@@ -302,8 +343,9 @@ def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
   """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
 
   For schemes with state (error feedback, PowerSGD warm starts) use
-  :func:`compressed_all_reduce` or ``loc_opt.diloco(..., codec=...)``, which
-  carry it across steps; here any state starts fresh and is dropped.
+  :func:`~loc_opt.compression.compressed_all_reduce` or
+  ``loc_opt.diloco(..., codec=...)``, which carry it across steps; here any
+  state starts fresh and is dropped.
 
   Args:
     tree: this worker's pytree of float arrays.
@@ -320,120 +362,3 @@ def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
   key = jax.random.key(0) if key is None else key
   mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
   return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)
-
-
-def build_compressor(
-    scheme: 'Compressor | codecs_lib.Codec | None',
-    *,
-    error_feedback: str = 'none',
-    econtrol_eta: float = 0.1,
-    eligible: Eligible | None = None,
-) -> Compressor:
-  """``scheme`` wrapped in error feedback, applied to eligible leaves only.
-
-  Args:
-    scheme: a compressor or codec (``None``: fp32 mean).
-    error_feedback: ``'none'``, ``'ef'``, ``'ef21'`` or ``'econtrol'``.
-    econtrol_eta: EControl's feedback strength.
-    eligible: ``(path, leaf) -> bool``; other leaves take an fp32 mean and
-      get no error buffer. ``None``: every leaf.
-
-  Returns:
-    The compressor.
-  """
-  from loc_opt.compression import feedback  # pylint: disable=g-import-not-at-top
-  scheme = as_compressor(scheme)
-  if scheme.feedback and error_feedback != 'none':
-    raise ValueError(f'{scheme.name} keeps its own error feedback; use '
-                     f'error_feedback=\'none\', not {error_feedback!r}')
-  return partition(
-      feedback.with_feedback(as_compressor(scheme), error_feedback,
-                             eta=econtrol_eta), eligible)
-
-
-# ------------------------------------------------------------ transform ---
-class CompressedAllReduceState(NamedTuple):
-  """State of :func:`compressed_all_reduce`.
-
-  Attributes:
-    count: int32 scalar, calls so far.
-    compressor: the compressor's per-worker state (e.g. error buffers).
-  """
-
-  count: jax.Array  # int32 []
-  compressor: Any
-
-
-def compressed_all_reduce(
-    scheme: 'Compressor | codecs_lib.Codec',
-    axis_name: str = 'worker',
-    *,
-    error_feedback: str = 'none',
-    econtrol_eta: float = 0.1,
-    eligible: Eligible | None = None,
-    start_step: int = 0,
-    seed: int = 0,
-    spread_over=comm_lib.INNER_AXES,
-) -> optax.GradientTransformation:
-  r"""Averages gradients over workers through a compression scheme.
-
-  Put it first in a chain, before the optimizer, to train data-parallel with
-  compressed gradients: every worker computes its own gradient (the step runs
-  per worker under ``jax.shard_map`` or ``jax.vmap`` over ``axis_name``),
-  and only the compressed payloads cross workers::
-
-    tx = optax.chain(
-        compressed_all_reduce(compression.int8(), 'worker',
-                              error_feedback='ef'),
-        optax.adamw(1e-3))
-
-  Args:
-    scheme: a :class:`Compressor` or codec.
-    axis_name: the worker axis.
-    error_feedback: ``'none'``, ``'ef'`` (Seide et al. 2014; Karimireddy et
-      al. 2019), ``'ef21'`` (Richtárik et al. 2021) or ``'econtrol'`` (Gao et
-      al. 2023); see :mod:`loc_opt.compression.feedback`.
-    econtrol_eta: EControl's feedback strength.
-    eligible: leaves to compress (``(path, leaf) -> bool``); the rest are
-      averaged in fp32 and get no error-feedback state. ``None``: all.
-    start_step: steps before this one use the plain fp32 mean (PowerSGD and
-      DGC start compressing after a warmup).
-    seed: seed of the keys shared by all workers (random-k masks, PowerSGD's
-      first query); per-worker draws fold in the worker index.
-    spread_over: within-worker mesh axes over which payloads are spread.
-
-  Returns:
-    A gradient transformation whose output is the mean gradient, identical on
-    all workers, in the gradients' dtypes.
-  """
-  compressor = build_compressor(scheme, error_feedback=error_feedback,
-                                econtrol_eta=econtrol_eta, eligible=eligible)
-  comm = comm_lib.Comm(axis_name, spread_over)
-  if start_step < 0:
-    raise ValueError(f'start_step must be >= 0, got {start_step}')
-
-  def init_fn(params):
-    return CompressedAllReduceState(
-        count=jnp.zeros([], jnp.int32), compressor=compressor.init(params))
-
-  def update_fn(updates, state, params=None):
-    del params
-    key = jax.random.fold_in(jax.random.key(seed), state.count)
-
-    def compressed(_):
-      mean, _, new = compressor.mean(updates, state.compressor, comm, key)
-      return comm.varying((mean, new))
-
-    def plain(_):
-      return comm.varying((f32(comm.pmean(updates)), state.compressor))
-
-    if start_step > 0:
-      mean, new = jax.lax.cond(state.count < start_step, plain, compressed,
-                               None)
-    else:
-      mean, new = compressed(None)
-    mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, updates)
-    return mean, CompressedAllReduceState(
-        optax.safe_increment(state.count), new)
-
-  return optax.GradientTransformation(init_fn, update_fn)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loc_opt import _checks
 from loc_opt.compression import sparse
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -64,8 +65,7 @@ def chunk_size(size: int, chunk: int = 64) -> int:
   Returns:
     The chunk (1 for a prime ``size`` above ``chunk``; 1 for ``size <= 1``).
   """
-  if chunk < 1:
-    raise ValueError(f'chunk must be >= 1, got {chunk}')
+  _checks.positive_int(chunk, 'chunk', arrays=True)
   for c in range(min(size, chunk), 1, -1):
     if size % c == 0:
       return c
@@ -205,8 +205,7 @@ def dct_basis(n: int) -> jax.Array:
   Returns:
     float32 ``[n, n]``.
   """
-  if n < 1:
-    raise ValueError(f'DCT length must be >= 1, got {n}')
+  _checks.positive_int(n, 'DCT length', arrays=True)
   return jnp.asarray(_basis_np(n))
 
 
@@ -365,9 +364,7 @@ def scatter_mean(
   Returns:
     float32 ``[num_blocks, block_elems]``.
   """
-  if aggregate not in AGGREGATES:
-    raise ValueError(f'aggregate must be one of {AGGREGATES}, got '
-                     f'{aggregate!r}')
+  _checks.one_of(aggregate, 'aggregate', AGGREGATES)
   workers, num_blocks = values.shape[:2]
   rows = jnp.arange(num_blocks, dtype=jnp.int32)[:, None]
 

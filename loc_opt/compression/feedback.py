@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
 from loc_opt.compression import compressor as compressor_lib
 
 Compressor = compressor_lib.Compressor
@@ -151,8 +152,7 @@ def econtrol(compressor: Compressor, eta: float = 0.1) -> Compressor:
   Returns:
     The compressor.
   """
-  if not 0.0 <= eta <= 1.0:
-    raise ValueError(f'econtrol eta must be in [0, 1], got {eta}')
+  _checks.in_interval(eta, 'econtrol eta', 0, 1)
 
   def init(tree):
     z = _zeros(tree)
@@ -183,7 +183,5 @@ FEEDBACK = {
 def with_feedback(compressor: Compressor, mode: str, *,
                   eta: float = 0.1) -> Compressor:
   """Wraps ``compressor`` in the error feedback named ``mode``."""
-  if mode not in FEEDBACK:
-    raise ValueError(f'unknown error feedback {mode!r}; choose one of '
-                     f'{sorted(FEEDBACK)}')
-  return FEEDBACK[mode](compressor, eta)
+  return FEEDBACK[_checks.one_of(mode, 'error feedback', FEEDBACK)](
+      compressor, eta)

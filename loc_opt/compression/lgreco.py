@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loc_opt import _checks
 from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
@@ -178,8 +179,7 @@ def lgreco_plan(errors: Any, sizes: Any, budget: float | None = None,
     if reference is None:
       raise ValueError('lgreco_plan needs a budget or a reference candidate')
     budget = float(errors[:, reference].sum())
-  if bins < 1:
-    raise ValueError(f'bins must be >= 1, got {bins}')
+  _checks.positive_int(bins, 'bins', arrays=True)
   if budget <= 0:
     # Only exact choices fit: take the cheapest error-free one per layer.
     choice = []

@@ -20,12 +20,13 @@ Example:
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
+
 _WIDTHS = (1, 2, 4, 8)
 
 
 def _check(bits: int, length: int) -> int:
-  if bits not in _WIDTHS:
-    raise ValueError(f'bits must be one of {_WIDTHS}, got {bits}')
+  _checks.one_of(bits, 'bits', _WIDTHS)
   per = 8 // bits
   if length % per:
     raise ValueError(f'the last axis ({length}) must be a multiple of '

@@ -63,6 +63,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
 from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import packing
 
@@ -72,10 +73,7 @@ _ROUNDINGS = ('nearest', 'stochastic')
 
 # ------------------------------------------------------------- helpers ---
 def _stochastic(rounding: str) -> bool:
-  if rounding not in _ROUNDINGS:
-    raise ValueError(f'rounding must be one of {_ROUNDINGS}, got '
-                     f'{rounding!r}')
-  return rounding == 'stochastic'
+  return _checks.one_of(rounding, 'rounding', _ROUNDINGS) == 'stochastic'
 
 
 def _check_block(block_size: int | None, unit: int) -> int:
@@ -222,13 +220,8 @@ def int8_codec(block_size: int | None = 256, *,
     >>> codec = int8_codec(64, rounding='stochastic')
     >>> payload = codec.encode(x, jax.random.fold_in(key, worker))
   """
-  stochastic = _stochastic(rounding)
-  return _absmax_codec(
-      'int8_sr' if stochastic else 'int8', block_size, qmax=127.0, bits=8,
-      stochastic=stochastic,
-      quantize=lambda y, key: jnp.clip(_round_int(y, key), -127,
-                                       127).astype(jnp.int8),
-      dequantize=lambda q: q.astype(jnp.float32))
+  return _integer_codec(8, block_size, rounding,
+                        dequantize=lambda q: q.astype(jnp.float32))
 
 
 def int4_codec(block_size: int | None = 256, *,
@@ -246,13 +239,23 @@ def int4_codec(block_size: int | None = 256, *,
   Returns:
     The codec (``'int4'`` or ``'int4_sr'``).
   """
-  stochastic = _stochastic(rounding)
-  return _absmax_codec(
-      'int4_sr' if stochastic else 'int4', block_size, qmax=7.0, bits=4,
-      stochastic=stochastic,
-      quantize=lambda y, key: jnp.clip(_round_int(y, key), -7,
-                                       7).astype(jnp.int8),
+  return _integer_codec(
+      4, block_size, rounding,
       dequantize=lambda q: packing.to_signed_4bit(q).astype(jnp.float32))
+
+
+def _integer_codec(bits: int, block_size: int | None, rounding: str, *,
+                   dequantize: Callable[[jax.Array], jax.Array]) -> Codec:
+  """Block-wise absmax ``bits``-bit integers in ``[-Q, Q]``,
+  ``Q = 2**(bits - 1) - 1``, sent as ``int8`` (packed when ``bits < 8``)."""
+  stochastic = _stochastic(rounding)
+  q = 2 ** (bits - 1) - 1
+  return _absmax_codec(
+      f'int{bits}' + ('_sr' if stochastic else ''), block_size,
+      qmax=float(q), bits=bits, stochastic=stochastic,
+      quantize=lambda y, key: jnp.clip(_round_int(y, key), -q,
+                                       q).astype(jnp.int8),
+      dequantize=dequantize)
 
 
 # ----------------------------------------------------------------- fp8 ---
@@ -315,9 +318,7 @@ def fp8_codec(fmt: str = 'e4m3', block_size: int | None = 256, *,
   Returns:
     The codec (``'fp8_<fmt>'``, with ``'_sr'`` when stochastic).
   """
-  if fmt not in _FP8:
-    raise ValueError(f'fmt must be one of {sorted(_FP8)}, got {fmt!r}')
-  dtype, mantissa, emin, qmax = _FP8[fmt]
+  dtype, mantissa, emin, qmax = _FP8[_checks.one_of(fmt, 'fmt', _FP8)]
   stochastic = _stochastic(rounding)
 
   def quantize(y, key):
@@ -373,9 +374,7 @@ def fp4_codec(fmt: str = 'e2m1', block_size: int | None = 256, *,
   Returns:
     The codec (``'fp4_<fmt>'``, with ``'_sr'`` when stochastic).
   """
-  if fmt not in FP4_GRIDS:
-    raise ValueError(f'fmt must be one of {sorted(FP4_GRIDS)}, got {fmt!r}')
-  grid = FP4_GRIDS[fmt]
+  grid = FP4_GRIDS[_checks.one_of(fmt, 'fmt', FP4_GRIDS)]
   stochastic = _stochastic(rounding)
 
   def quantize(y, key):

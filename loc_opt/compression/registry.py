@@ -11,11 +11,11 @@ from typing import Any
 
 from loc_opt.compression import codecs
 from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression.deep_gradient import dgc
-from loc_opt.compression.lowrank import powersgd
+from loc_opt.compression.dgc import dgc
+from loc_opt.compression.powersgd import powersgd
 from loc_opt.compression.quant import QUANT_CODECS
 from loc_opt.compression.sparse import SPARSE_CODECS
-from loc_opt.compression.ternary import terngrad
+from loc_opt.compression.terngrad import terngrad
 
 Codec = codecs.Codec
 Compressor = compressor_lib.Compressor

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loc_opt import _checks
 from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import comm as comm_lib
 
@@ -208,12 +209,12 @@ def _scatter_rows(values: jax.Array, idx: jax.Array, num_chunks: int,
 def _check_args(density, k, chunk):
   if (density is None) == (k is None):
     raise ValueError('give exactly one of density and k')
-  if density is not None and not 0.0 < density <= 1.0:
-    raise ValueError(f'density must be in (0, 1], got {density}')
-  if k is not None and k < 1:
-    raise ValueError(f'k must be >= 1, got {k}')
-  if chunk is not None and chunk < 1:
-    raise ValueError(f'chunk must be >= 1, got {chunk}')
+  if density is not None:
+    _checks.in_interval(density, 'density', 0, 1, closed='right')
+  if k is not None:
+    _checks.positive_int(k, 'k', arrays=True)
+  if chunk is not None:
+    _checks.positive_int(chunk, 'chunk', arrays=True)
   if chunk is not None and k is not None and k > chunk:
     raise ValueError(f'k={k} exceeds the chunk length {chunk}')
 

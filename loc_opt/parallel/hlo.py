@@ -9,18 +9,21 @@ DiLoCo-style methods economize) or within-worker. Example::
   report = collective_bytes(jax.jit(step).lower(params, batch), mesh)
   print(report.summary())
 
+The HLO text itself is read by :mod:`loc_opt.parallel._hlo_text`; this
+module walks the computations and does the byte accounting.
+
 Reference: Douillard et al., "DiLoCo: Distributed Low-Communication Training
 of Language Models", 2023 (https://arxiv.org/abs/2311.08105).
 """
 
 from collections.abc import Mapping
 import dataclasses
-import math
-import re
 from typing import NamedTuple
 
 import jax
 import numpy as np
+
+from loc_opt.parallel import _hlo_text as hlo_text
 
 _KINDS = frozenset({
   'all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
@@ -28,22 +31,6 @@ _KINDS = frozenset({
 })
 # Collectives whose HLO carries a `use_global_device_ids` bool.
 _GLOBAL_ID_KINDS = ('all-reduce', 'all-gather', 'reduce-scatter')
-_BITS = {
-  'pred': 8, 's1': 1, 'u1': 1, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4,
-  's8': 8, 'u8': 8, 's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16,
-  's32': 32, 'u32': 32, 'f32': 32, 's64': 64, 'u64': 64, 'f64': 64,
-  'c64': 64, 'c128': 128, 'token': 0,
-}
-_OPEN, _CLOSE = '([{', ')]}'
-_ARRAY = re.compile(r'([a-z][a-z0-9]*)\[([^\]]*)\]')
-_LAYOUT = re.compile(r'\{[^{}]*\}')
-_IOTA = re.compile(r'\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?')
-_MESH = re.compile(
-  r"mesh\[([^\]]*)\](?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?"
-  r'\s*\{([^{}]*)\}'
-)
-_COMP = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{$')
-_INSTR = re.compile(r'^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +267,9 @@ def collective_bytes(
       'program must be a jax.stages.Compiled, jax.stages.Lowered or str, '
       f'got {type(program).__name__}'
     )
-  header, comps, entry = _parse_module(program)
-  replicas = int(_attr(header, 'replica_count') or 1)
-  partitions = int(_attr(header, 'num_partitions') or 1)
+  header, comps, entry = hlo_text.parse_module(program)
+  replicas = int(hlo_text.attr(header, 'replica_count') or 1)
+  partitions = int(hlo_text.attr(header, 'num_partitions') or 1)
   n = replicas * partitions
   walker = _Walker(comps, replicas, partitions,
                    _worker_of(mesh, worker_axis, n, order))
@@ -309,167 +296,6 @@ def _worker_of(mesh, axis, n, order) -> np.ndarray:
     pos = np.array([where[d] for d in order])
   coords = np.unravel_index(pos, mesh.devices.shape)
   return np.asarray(coords[mesh.axis_names.index(axis)])
-
-
-# ------------------------------------------------------------------ parsing
-
-
-def _balanced(s: str, i: int) -> int:
-  """Index just past the bracket group opening at `s[i]`."""
-  depth = 0
-  for j in range(i, len(s)):
-    depth += (s[j] in _OPEN) - (s[j] in _CLOSE)
-    if depth == 0:
-      return j + 1
-  raise ValueError(f'unbalanced brackets in HLO: {s[i : i + 80]!r}')
-
-
-def _split_top(s: str) -> list[str]:
-  """Splits `s` at commas outside brackets."""
-  items, depth, start = [], 0, 0
-  for j, ch in enumerate(s + ','):
-    depth += (ch in _OPEN) - (ch in _CLOSE)
-    if ch == ',' and depth == 0:
-      items.append(s[start:j].strip())
-      start = j + 1
-  return [x for x in items if x]
-
-
-def _attr(attrs: str, key: str) -> str | None:
-  """Value of `key=` in an attribute string."""
-  m = re.search(rf'(?:^|[\s,]){key}=', attrs)
-  if m is None:
-    return None
-  i = m.end()
-  m = _MESH.match(attrs, i) or _IOTA.match(attrs, i)
-  if m:  # replica groups: mesh[...] {...} or [a,b]<=[c]T(...)
-    return m.group()
-  if attrs[i : i + 1] in tuple(_OPEN):
-    return attrs[i : _balanced(attrs, i)]
-  return re.match(r'[^\s,]*', attrs[i:]).group()
-
-
-class _Instr(NamedTuple):
-  name: str
-  type: str
-  opcode: str
-  operands: list[str]
-  attrs: str  # attributes with quoted strings blanked out
-  raw: str  # attributes as printed
-
-
-def _parse_module(text: str):
-  """Returns (header line, {computation: [_Instr]}, entry name)."""
-  lines = [ln.strip() for ln in re.sub(r'/\*.*?\*/', '', text).splitlines()]
-  header = next((ln for ln in lines if ln.startswith('HloModule ')), None)
-  if header is None:
-    hint = ''
-    if 'stablehlo' in text or text.lstrip().startswith('module'):
-      hint = ' (this looks like StableHLO: pass the compiled program)'
-    raise ValueError(f"not HLO text: no 'HloModule' header line{hint}; "
-                     f'it starts {text.strip()[:60]!r}')
-  comps: dict[str, list[_Instr]] = {}
-  entry, current = None, None
-  for ln in lines:
-    if current is None:
-      if m := _COMP.match(ln):
-        current = comps.setdefault(m.group(2), [])
-        entry = m.group(2) if m.group(1) else entry
-    elif ln == '}':
-      current = None
-    elif m := _INSTR.match(ln):
-      current.append(_parse_instr(m.group(1), m.group(2)))
-  if entry is None:
-    raise ValueError('HLO text has no ENTRY computation')
-  return header, comps, entry
-
-
-def _parse_instr(name: str, rest: str) -> _Instr:
-  end = _balanced(rest, 0) if rest.startswith('(') else rest.find(' ')
-  type_, rest = rest[:end], rest[end:].strip()
-  m = re.match(r'([\w\-]+)\(', rest)
-  if m is None:
-    return _Instr(name, type_, '', [], '', rest)
-  close = _balanced(rest, m.end() - 1)
-  raw = rest[close:]
-  attrs = re.sub(r'"(?:[^"\\]|\\.)*"', '""', raw)
-  operands = _split_top(rest[m.end() : close - 1])
-  return _Instr(name, type_, m.group(1), operands, attrs, raw)
-
-
-def _array_bytes(type_: str) -> int:
-  """Bytes of all arrays in an HLO type string (tuples flattened)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(type_):
-    bits = _BITS.get(dtype)
-    if bits is None and re.fullmatch(r'f[48]e\w+', dtype):
-      bits = int(dtype[1])  # f8e4m3fn, f8e5m2, f4e2m1fn, ...
-    if bits is None:
-      raise ValueError(f'unknown HLO element type {dtype!r} in {type_!r}')
-    sizes = [int(d.lstrip('<=')) for d in dims.split(',') if d.strip()]
-    total += -(-math.prod(sizes) * bits // 8)
-  return total
-
-
-def _ints(s: str | None) -> list[int]:
-  return [int(x) for x in s.split(',') if x.strip()] if s else []
-
-
-def _ids(spec: str, what: str) -> list[list[int]]:
-  """Parses `{{0,1},{2,3}}` into [[0, 1], [2, 3]]."""
-  inner = spec.strip()[1:-1]
-  if re.sub(r'\{[\d,\s]*\}|[,\s]', '', inner):
-    raise ValueError(f'cannot parse {what}={spec!r}')
-  return [_ints(g) for g in re.findall(r'\{([^{}]*)\}', inner)]
-
-
-def _iota(dims, reshape, perm) -> np.ndarray:
-  ids = np.arange(math.prod(reshape)).reshape(reshape)
-  return (ids.transpose(perm) if perm else ids).reshape(dims)
-
-
-def _replica_groups(spec: str, name: str) -> list[list[int]] | None:
-  """Groups of ids, or `None` for `{}` (all devices)."""
-  if m := _IOTA.fullmatch(spec):  # [groups,size]<=[reshape]T(perm)
-    return _iota(*(_ints(g) for g in m.groups())).tolist()
-  if spec.startswith('mesh['):
-    return _mesh_groups(spec, name)
-  if spec.startswith('{'):
-    return _ids(spec, f'replica_groups of {name}') or None
-  raise ValueError(f'cannot parse replica_groups={spec!r} of {name}')
-
-
-def _mesh_groups(spec: str, name: str) -> list[list[int]]:
-  """Expands `mesh['a'=4,'b'=2](, device_ids=(...))? {'a','b':(1)2}`."""
-  m = _MESH.fullmatch(spec)
-  if m is None:
-    raise ValueError(f'cannot parse replica_groups={spec!r} of {name}')
-  axes = re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", m.group(1))
-  names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-  ids = m.group(2)
-  if ids is None:  # the mesh holds ids 0..n-1 in order
-    assignment = np.arange(math.prod(sizes))
-  elif t := re.fullmatch(r'\s*\[([\d,]*)\](?:T\(([\d,]*)\))?\s*', ids):
-    assignment = _iota(sizes, _ints(t.group(1)), _ints(t.group(2)))
-  else:
-    assignment = np.array(_ints(ids))
-  # A device's key is its mesh position with the grouped parts zeroed.
-  keys = np.indices(sizes).reshape(len(sizes), -1).T.copy()
-  for ref in _split_top(m.group(3)):
-    r = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", ref)
-    if r is None or r.group(1) not in names:
-      raise ValueError(f'unknown mesh axis {ref} in {spec!r} of {name}')
-    i = names.index(r.group(1))
-    if r.group(2):  # sub-axis (pre)size: axis i viewed as [pre, size, rest]
-      pre, size = int(r.group(2)), int(r.group(3))
-      rest = sizes[i] // (pre * size)
-      keys[:, i] -= (keys[:, i] // rest) % size * rest
-    else:
-      keys[:, i] = 0
-  groups: dict[tuple, list[int]] = {}
-  for key, dev in zip(map(tuple, keys), assignment.reshape(-1)):
-    groups.setdefault(key, []).append(int(dev))
-  return list(groups.values())
 
 
 # ------------------------------------------------------------------ walking
@@ -504,35 +330,38 @@ class _Walker:
       if op.endswith(('-done', '-update')):
         continue  # the matching -start was counted: never count twice
       if op == 'while':
-        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.raw)
+        n = hlo_text.known_trip_count(ins.raw)
         known = n is not None and (ctx.trips or not ctx.in_loop)
-        trips = int(n.group(1)) * (ctx.trips or 1) if known else None
+        trips = n * (ctx.trips or 1) if known else None
         for key in ('condition', 'body'):
           sub = ctx._replace(in_loop=True, trips=trips)
-          self.walk(_name(_attr(attrs, key)), sub, depth + 1)
+          self.walk(hlo_text.called_name(hlo_text.attr(attrs, key)), sub,
+                    depth + 1)
       elif op == 'conditional':
-        names = _attr(attrs, 'branch_computations')
-        names = _split_top(names[1:-1]) if names else [
-          _attr(attrs, 'true_computation'), _attr(attrs, 'false_computation')
+        names = hlo_text.attr(attrs, 'branch_computations')
+        names = hlo_text.split_top(names[1:-1]) if names else [
+          hlo_text.attr(attrs, 'true_computation'),
+          hlo_text.attr(attrs, 'false_computation'),
         ]
         self.conds[ins.name] = len(names)
         for i, b in enumerate(names):
           sub = ctx._replace(branch=ctx.branch + ((ins.name, i),))
-          self.walk(_name(b), sub, depth + 1)
+          self.walk(hlo_text.called_name(b), sub, depth + 1)
       else:  # call, fusion, async-start, custom-call, ...
         sub = ctx._replace(is_async=ctx.is_async or op == 'async-start')
         keys = ['calls', 'called_computations'] + ['to_apply'] * (op == 'call')
-        for v in filter(None, (_attr(attrs, k) for k in keys)):
-          for c in _split_top(v[1:-1]) if v[0] == '{' else [v]:
-            self.walk(_name(c), sub, depth + 1)
+        for v in filter(None, (hlo_text.attr(attrs, k) for k in keys)):
+          for c in hlo_text.split_top(v[1:-1]) if v[0] == '{' else [v]:
+            self.walk(hlo_text.called_name(c), sub, depth + 1)
 
-  def record(self, comp: str, ins: _Instr, ctx: _Ctx) -> Collective:
+  def record(self, comp: str, ins: hlo_text.Instr, ctx: _Ctx) -> Collective:
     kind, attrs = ins.opcode.removesuffix('-start'), ins.attrs
-    channel = _attr(attrs, 'channel_id') is not None
+    channel = hlo_text.attr(attrs, 'channel_id') is not None
     r, p = self.r, self.p
     if kind == 'collective-permute':
-      pairs = _ids(_attr(attrs, 'source_target_pairs') or '{}',
-                   f'source_target_pairs of {ins.name}')
+      pairs = hlo_text.ids(
+        hlo_text.attr(attrs, 'source_target_pairs') or '{}',
+        f'source_target_pairs of {ins.name}')
       # Partition pairs repeat in each replica (cross-replica: vice versa).
       groups = [
         [x * p + s, x * p + t] if channel else [s * p + x, t * p + x]
@@ -541,8 +370,9 @@ class _Walker:
         if s != t
       ]
     else:
-      ids = _replica_groups(_attr(attrs, 'replica_groups') or '{}', ins.name)
-      global_ids = _attr(attrs, 'use_global_device_ids') == 'true'
+      ids = hlo_text.replica_groups(
+        hlo_text.attr(attrs, 'replica_groups') or '{}', ins.name)
+      global_ids = hlo_text.attr(attrs, 'use_global_device_ids') == 'true'
       groups = self.expand(ids, kind, channel, global_ids)
       groups = [g for g in groups if len(g) > 1]
     flat = [d for g in groups for d in g]
@@ -580,28 +410,23 @@ class _Walker:
     one = kind in ('collective-permute', 'ragged-all-to-all')
     types = []
     for item in ins.operands[:1] if one else ins.operands:
-      m = re.fullmatch(r'(.*?)\s*%?([\w.\-]+)', item)
-      t = m and (m.group(1) or self.types[comp].get(m.group(2)))
+      inline, name = hlo_text.operand(item)
+      t = inline or self.types[comp].get(name)
       if not t:
         break
-      types.append(_LAYOUT.sub('', t))
+      types.append(hlo_text.strip_layout(t))
     else:
       if types:
         shape = types[0] if len(types) == 1 else f'({", ".join(types)})'
-        return shape, _array_bytes(shape)
+        return shape, hlo_text.array_bytes(shape)
     # An operand is unknown: derive from the result type.
-    result = _LAYOUT.sub('', ins.type)
+    result = hlo_text.strip_layout(ins.type)
     if kind != 'all-reduce' and ins.opcode.endswith('-start'):
       # An async start returns (operand(s), result(s), ...).
-      result = _split_top(result[1:-1])[0] if result[0] == '(' else result
-      return result, _array_bytes(result)
-    nbytes = _array_bytes(result)
+      if result[0] == '(':
+        result = hlo_text.split_top(result[1:-1])[0]
+      return result, hlo_text.array_bytes(result)
+    nbytes = hlo_text.array_bytes(result)
     if kind == 'all-gather':
       return result, nbytes // size
     return result, nbytes * (size if kind == 'reduce-scatter' else 1)
-
-
-def _name(ref: str | None) -> str:
-  if not ref:
-    raise ValueError('HLO instruction lacks a called computation')
-  return ref.strip().lstrip('%')

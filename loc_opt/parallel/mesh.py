@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from loc_opt import _checks
+
 WORKER = 'worker'
 DATA = 'data'
 FSDP = 'fsdp'
@@ -101,10 +103,9 @@ def make_worker_mesh(
     >>> mesh = make_worker_mesh(4, data=2)  # 8 devices: 4 workers x 2
   """
   sizes = {WORKER: workers, DATA: data, FSDP: fsdp, TENSOR: tensor}
-  for name, size in sizes.items():
-    if not isinstance(size, (int, np.integer)) or size < 1:
-      raise ValueError(
-          f'mesh axis {name!r} must be a positive int, got {size!r}')
+  sizes = {name: _checks.positive_int(size, f'mesh axis {name!r}',
+                                      arrays=True)
+           for name, size in sizes.items()}
   devices = list(jax.devices() if devices is None else devices)
   array = arrange_devices(devices, tuple(sizes.values()))
   return jax.sharding.Mesh(

@@ -47,7 +47,9 @@ References:
 
 from collections.abc import Iterable, Sequence
 import dataclasses
+import math
 
+from loc_opt import _checks
 from loc_opt.parallel import hlo
 
 
@@ -64,11 +66,8 @@ class Link:
   latency_s: float = 0.0
 
   def __post_init__(self):
-    if not self.bandwidth_gbps > 0:
-      raise ValueError(f'bandwidth_gbps must be positive, got '
-                       f'{self.bandwidth_gbps}')
-    if self.latency_s < 0:
-      raise ValueError(f'latency_s must be >= 0, got {self.latency_s}')
+    _checks.positive_float(self.bandwidth_gbps, 'bandwidth_gbps')
+    _checks.nonnegative_float(self.latency_s, 'latency_s')
 
 
 # kind -> (bytes through the link per payload byte, messages), per M.
@@ -93,8 +92,7 @@ def collective_seconds(kind: str, payload_bytes: float, num_workers: int,
     num_workers: workers taking part.
     link: the link.
   """
-  if kind not in _COSTS:
-    raise ValueError(f'unknown collective kind {kind!r}')
+  _checks.one_of(kind, 'collective kind', _COSTS)
   if num_workers <= 1 or payload_bytes <= 0:
     return 0.0
   factor, messages = _COSTS[kind](num_workers)
@@ -167,12 +165,9 @@ def simulate(comm_seconds: Sequence[float], *, step_time_s: float,
   Returns:
     The simulated :class:`WallClock`.
   """
-  if step_time_s < 0:
-    raise ValueError(f'step_time_s must be >= 0, got {step_time_s}')
-  if overlap_steps < 0:
-    raise ValueError(f'overlap_steps must be >= 0, got {overlap_steps}')
-  if slowdown < 1:
-    raise ValueError(f'slowdown must be >= 1, got {slowdown}')
+  _checks.nonnegative_float(step_time_s, 'step_time_s')
+  _checks.nonnegative_int(overlap_steps, 'overlap_steps')
+  _checks.in_interval(slowdown, 'slowdown', 1, math.inf)
   step = step_time_s * slowdown
   t = link_free = busy = waited = 0.0
   due: dict[int, float] = {}  # step -> time its awaited collectives finish

@@ -7,31 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import deep_gradient as dgc_lib
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _runner(comp):
-  comm = comm_lib.Comm('worker')
-  return jax.jit(jax.vmap(lambda t, s, k: comp.mean(t, s, comm, k),
-                          in_axes=(0, 0, None), axis_name='worker'))
+from loc_opt import compression
+from loc_opt.compression.dgc import sampled_top_k
+from tests.compression._helpers import mean_runner as _runner
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def test_warmup_ratio_vector():
-  got = [dgc_lib.dgc_warmup_ratio(e, 1e-3, 5) for e in range(7)]
+  got = [compression.dgc_warmup_ratio(e, 1e-3, 5) for e in range(7)]
   np.testing.assert_allclose(
       got, [0.31623, 0.1, 0.031623, 0.01, 0.0031623, 0.001, 0.001],
       rtol=1e-4)
-  assert dgc_lib.dgc_warmup_ratio(0, 1e-3, 0) == 1e-3
+  assert compression.dgc_warmup_ratio(0, 1e-3, 0) == 1e-3
 
 
 def _numpy_dgc(grads, density, momentum, nesterov, masking):
@@ -66,8 +56,8 @@ def _numpy_dgc(grads, density, momentum, nesterov, masking):
 def test_matches_a_plain_loop(nesterov, masking):
   grads = np.asarray(_normal(0, (5, W, 12, 10)))
   bias = np.asarray(_normal(1, (5, W, 10)))
-  comp = dgc_lib.dgc(0.05, momentum=0.9, nesterov=nesterov,
-                     momentum_masking=masking)
+  comp = compression.dgc(0.05, momentum=0.9, nesterov=nesterov,
+                         momentum_masking=masking)
   fn = _runner(comp)
   state = jax.vmap(comp.init)({'b': bias[0], 'w': grads[0]})
   want = _numpy_dgc(grads.reshape(5, W, -1), 0.05, 0.9, nesterov, masking)
@@ -98,7 +88,7 @@ def test_matches_a_plain_loop(nesterov, masking):
 def test_masking_and_accumulation_invariants():
   steps = 6
   grads = _normal(2, (steps, W, 20, 15))
-  comp = dgc_lib.dgc(0.02, momentum=0.8, momentum_masking=True)
+  comp = compression.dgc(0.02, momentum=0.8, momentum_masking=True)
   fn = _runner(comp)
   state = jax.vmap(comp.init)([grads[0]])
   for t in range(steps):
@@ -110,7 +100,7 @@ def test_masking_and_accumulation_invariants():
 
   # Without masking u_t = sum_s m^(t-s) g_s does not depend on the
   # selection, and v telescopes: sum_t sent_t + v_T = sum_t u_t.
-  comp = dgc_lib.dgc(0.02, momentum=0.8, momentum_masking=False)
+  comp = compression.dgc(0.02, momentum=0.8, momentum_masking=False)
   fn = _runner(comp)
   state = jax.vmap(comp.init)([grads[0]])
   total_sent = jnp.zeros_like(grads[0])
@@ -127,7 +117,7 @@ def test_masking_and_accumulation_invariants():
 
 
 def test_warmup_stages_send_decreasing_counts():
-  comp = dgc_lib.dgc(0.01, warmup_epochs=2, steps_per_epoch=2)
+  comp = compression.dgc(0.01, warmup_epochs=2, steps_per_epoch=2)
   x = _normal(3, (W, 40, 50))
   fn = _runner(comp)
   state = jax.vmap(comp.init)([x])
@@ -135,7 +125,7 @@ def test_warmup_stages_send_decreasing_counts():
   for t in range(7):
     _, (sent,), state = fn([x], state, jax.random.key(t))
     counts.append(int(np.count_nonzero(sent[0])))
-  ks = [math.ceil(2000 * dgc_lib.dgc_warmup_ratio(e, 0.01, 2))
+  ks = [math.ceil(2000 * compression.dgc_warmup_ratio(e, 0.01, 2))
         for e in range(3)]
   assert ks == [431, 93, 20]
   assert counts == [431, 431, 93, 93, 20, 20, 20]
@@ -183,7 +173,7 @@ def test_reference_compat_selection_matches_the_reference_loop():
   k = 50
   branches = set()
   differs = 0
-  select = jax.jit(lambda v, key: dgc_lib.sampled_top_k(v, ratio, key))
+  select = jax.jit(lambda v, key: sampled_top_k(v, ratio, key))
   for i in range(12):
     v = np.asarray(_normal(100 + i, (n,)))
     key = jax.random.key(i)
@@ -202,20 +192,20 @@ def test_reference_compat_selection_matches_the_reference_loop():
 
 
 def test_compat_mean_runs_with_static_shapes():
-  comp = dgc_lib.dgc(0.01, reference_compat=True, warmup_epochs=1)
+  comp = compression.dgc(0.01, reference_compat=True, warmup_epochs=1)
   x = _normal(4, (W, 50, 60))
   fn = _runner(comp)
   state = jax.vmap(comp.init)([x])
   for t in range(3):
     mean, (sent,), state = fn([x], state, jax.random.key(t))
     nz = np.count_nonzero(np.asarray(sent).reshape(W, -1), axis=1)
-    k = math.ceil(3000 * dgc_lib.dgc_warmup_ratio(t, 0.01, 1))
+    k = math.ceil(3000 * compression.dgc_warmup_ratio(t, 0.01, 1))
     assert np.all(nz <= k) and np.all(nz > 0)
     np.testing.assert_allclose(mean[0][0], sent.mean(0), atol=1e-5)
 
 
 def test_clipping_bounds_the_local_gradient():
-  comp = dgc_lib.dgc(1.0, momentum=0.0, clip_norm=2.0)
+  comp = compression.dgc(1.0, momentum=0.0, clip_norm=2.0)
   x = 100.0 * _normal(5, (W, 8, 8))
   fn = _runner(comp)
   _, (sent,), _ = fn([x], jax.vmap(comp.init)([x]), jax.random.key(0))
@@ -225,28 +215,19 @@ def test_clipping_bounds_the_local_gradient():
 
 def test_rejects_bad_density():
   with pytest.raises(ValueError, match='density'):
-    dgc_lib.dgc(0.0)
+    compression.dgc(0.0)
 
 
 @pytest.mark.parametrize('compat', [False, True])
 def test_shard_map_moves_values_and_indices_only(compat):
-  mesh = parallel.make_worker_mesh(4, data=2)
-  comp = dgc_lib.dgc(0.01, reference_compat=compat)
+  comp = compression.dgc(0.01, reference_compat=compat)
   tree = {'w': _normal(6, (W, 256, 128)),
           'b': _normal(7, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 8 * math.ceil(0.01 * 256 * 128) + 4 * 128
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.05 * 4 * (256 * 128 + 128)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-6)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)

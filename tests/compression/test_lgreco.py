@@ -7,19 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loc_opt import parallel
-from loc_opt.compression import quant
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
+from loc_opt import compression
 from loc_opt.compression import lgreco
-from loc_opt.compression import lowrank as powersgd
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from loc_opt.compression import quant
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _brute_force(errors, sizes, budget):
@@ -86,7 +80,7 @@ def test_errors_are_measured_per_leaf_and_candidate():
   low = jnp.outer(_normal(0, (40,)), _normal(1, (30,)))
   full = _normal(2, (40, 30))
   tree = {'a_low': low, 'b_full': full, 'c_bias': jnp.ones(30)}
-  cands = [powersgd.powersgd(1), powersgd.powersgd(4), None,
+  cands = [compression.powersgd(1), compression.powersgd(4), None,
            quant.int8_codec(block_size=30)]
   errors, sizes = lgreco.lgreco_errors(tree, cands)
   assert errors.shape == sizes.shape == (3, 4)
@@ -111,8 +105,8 @@ def test_replan_builds_a_cheaper_per_leaf_compressor():
   u, _ = np.linalg.qr(_normal(13, (32, 8)))
   v, _ = np.linalg.qr(_normal(14, (24, 8)))
   tree = {'a': low, 'b': u @ v.T}
-  cands = [powersgd.powersgd(1), powersgd.powersgd(2), powersgd.powersgd(4),
-           powersgd.powersgd(8)]
+  cands = [compression.powersgd(1), compression.powersgd(2),
+           compression.powersgd(4), compression.powersgd(8)]
   plan = lgreco.lgreco_replan(tree, cands, reference=2, bins=200)
   assert plan.budget == pytest.approx(plan.errors[:, 2].sum())
   np.testing.assert_allclose(plan.errors[1], [7, 6, 4, 0], atol=1e-4)
@@ -129,7 +123,7 @@ def test_replan_builds_a_cheaper_per_leaf_compressor():
   # its state is threaded through (the second call is warm-started).
   comp = plan.compressor
   stacked = jax.tree.map(lambda x: jnp.stack([x] * W), tree)
-  comm = comm_lib.Comm('worker')
+  comm = compression.Comm('worker')
   fn = jax.jit(jax.vmap(lambda t, s: comp.mean(t, s, comm, jax.random.key(2)),
                         axis_name='worker'))
   state = jax.vmap(comp.init)(stacked)
@@ -151,25 +145,16 @@ def test_per_leaf_checks_the_leaf_count():
 
 
 def test_shard_map_bytes_follow_the_choices():
-  mesh = parallel.make_worker_mesh(4, data=2)
-  comp = lgreco.per_leaf([None, powersgd.powersgd(2),
+  comp = lgreco.per_leaf([None, compression.powersgd(2),
                           quant.int8_codec(block_size=64)])
   tree = {'a': _normal(3, (W, 128)),
           'b': _normal(4, (W, 256, 128)),
           'c': _normal(5, (W, 64, 64))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 4 * 128 + 4 * 2 * (256 + 128) + 4096 + 4 * 64
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.15 * 4 * (128 + 256 * 128 + 64 * 64)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   for name in tree:
     np.testing.assert_allclose(out[name], want[name], atol=1e-4)

@@ -6,26 +6,19 @@ import numpy as np
 import optax
 import pytest
 
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import lowrank as powersgd_lib
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from loc_opt import compression
+from loc_opt.compression.powersgd import compressed_rank
+from tests.compression._helpers import mean_runner
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _run(compressor, trees, steps=1, key=jax.random.key(3)):
   """Runs ``steps`` calls under vmap; returns (mean, sent, state) per step."""
   state = jax.vmap(compressor.init)(trees[0])
-  comm = comm_lib.Comm('worker')
-  fn = jax.jit(jax.vmap(
-      lambda t, s, k: compressor.mean(t, s, comm, k),
-      in_axes=(0, 0, None), axis_name='worker'))
+  fn = mean_runner(compressor)
   out = []
   for i in range(steps):
     mean, sent, state = fn(trees[i % len(trees)], state,
@@ -45,7 +38,7 @@ def _low_rank(seed, n, m, r, workers=W):
 def test_mean_of_rank_r_inputs_is_exact_after_one_step(method):
   x = _low_rank(0, 32, 24, 2)
   tree = {'w': x, 'b': jnp.arange(W * 24.0).reshape(W, 24)}
-  comp = powersgd_lib.powersgd(rank=2, orthogonalize=method)
+  comp = compression.powersgd(rank=2, orthogonalize=method)
   (mean, _, state), = _run(comp, [tree])
   want = x.mean(0)
   scale = float(jnp.abs(want).max())
@@ -63,7 +56,7 @@ def test_mean_of_rank_r_inputs_is_exact_after_one_step(method):
 def test_rank_one_fit_of_rank_two_matrix_is_not_exact():
   x = _low_rank(1, 32, 24, 2, workers=1)
   tree = {'w': jnp.broadcast_to(x, (W, 32, 24))}
-  (mean, _, _), = _run(powersgd_lib.powersgd(rank=1), [tree])
+  (mean, _, _), = _run(compression.powersgd(rank=1), [tree])
   assert float(jnp.abs(mean['w'][0] - x[0]).max()) > 1e-2
 
 
@@ -72,7 +65,7 @@ def test_error_feedback_compensates_over_steps():
   # means tracks the sum of the inputs (up to the last error).
   g = _normal(2, (1, 20, 16))
   tree = {'w': jnp.broadcast_to(g, (W, 20, 16))}
-  out = _run(powersgd_lib.powersgd(rank=1), [tree], steps=6)
+  out = _run(compression.powersgd(rank=1), [tree], steps=6)
   total = sum(o[0]['w'][0] for o in out)
   last_error = out[-1][2].error[0][0]
   np.testing.assert_allclose(total + last_error, 6 * g[0], atol=1e-4)
@@ -80,8 +73,8 @@ def test_error_feedback_compensates_over_steps():
 
 def test_local_error_feedback_invariants():
   trees = [{'w': _normal(s, (W, 24, 18))} for s in (4, 40)]
-  local = _run(powersgd_lib.powersgd(rank=2, ef_mode='local'), trees, 2)
-  glob = _run(powersgd_lib.powersgd(rank=2, ef_mode='global'), trees, 2)
+  local = _run(compression.powersgd(rank=2, ef_mode='local'), trees, 2)
+  glob = _run(compression.powersgd(rank=2, ef_mode='global'), trees, 2)
   (_, _, s1), (mean, sent, s2) = local
   orig = trees[1]['w'] + s1.error[0]  # this step's M_w = g + e_old
   np.testing.assert_allclose(orig, sent['w'] + s2.error[0], atol=1e-5)
@@ -107,8 +100,8 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
   best = float(jnp.sqrt(jnp.sum(s[2:] ** 2)))
 
   def last_error(warm):
-    comp = powersgd_lib.powersgd(rank=2, warm_start=warm,
-                                 error_feedback=False)
+    comp = compression.powersgd(rank=2, warm_start=warm,
+                                error_feedback=False)
     out = _run(comp, [tree], steps=25)
     for _, _, state in out:  # Q is identical on all workers
       for w in range(1, W):
@@ -120,7 +113,7 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
 
 
 def test_payload_bytes():
-  comp = powersgd_lib.powersgd(rank=4)
+  comp = compression.powersgd(rank=4)
   big = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
   assert comp.payload_bytes([big]) == 131_072
   assert 4 * 4096 * 4096 // comp.payload_bytes([big]) == 512
@@ -132,40 +125,30 @@ def test_payload_bytes():
   assert comp.payload_bytes(tree) == 4 * 4096 + 4 * 100 + 4 * 4 * (64 + 288)
   state = comp.init(tree)
   assert [getattr(q, 'shape', q) for q in state.query] == [(), (288, 4), ()]
-  assert powersgd_lib.compressed_rank((3, 100), 8, 2.0) == 0
-  assert powersgd_lib.compressed_rank((10, 100), 8, 2.0) == 0
-  assert powersgd_lib.compressed_rank((30, 100), 8, 2.0) == 8
+  assert compressed_rank((3, 100), 8, 2.0) == 0
+  assert compressed_rank((10, 100), 8, 2.0) == 0
+  assert compressed_rank((30, 100), 8, 2.0) == 8
 
 
 def test_rejects_bad_arguments():
   with pytest.raises(ValueError, match='ef_mode'):
-    powersgd_lib.powersgd(ef_mode='both')
+    compression.powersgd(ef_mode='both')
   with pytest.raises(ValueError, match='orthogonalize'):
-    powersgd_lib.powersgd(orthogonalize='svd')
+    compression.powersgd(orthogonalize='svd')
   with pytest.raises(ValueError, match='rank'):
-    powersgd_lib.powersgd(rank=0)
+    compression.powersgd(rank=0)
 
 
 def test_shard_map_moves_the_low_rank_factors_only():
-  mesh = parallel.make_worker_mesh(4, data=2)
-  comp = powersgd_lib.powersgd(rank=4)
+  comp = compression.powersgd(rank=4)
   tree = {'w': _normal(6, (W, 256, 128)),
           'b': _normal(7, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  one = jax.tree.map(lambda x: x[0], tree)
-  theory = comp.payload_bytes(one)
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == 4 * 4 * (256 + 128) + 4 * 128
   got = report.cross_worker_bytes_per_worker
   assert theory <= got <= 1.1 * theory, report.summary()
   assert got < 0.1 * 4 * (256 * 128 + 128)
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-4)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)
 
@@ -180,8 +163,8 @@ def test_compressed_all_reduce_with_sgd_fits_least_squares():
     return jnp.mean(jnp.sum((xb @ p['w'] + p['b'] - yb) ** 2, axis=-1))
 
   tx = optax.chain(
-      compressor_lib.compressed_all_reduce(
-          powersgd_lib.powersgd(rank=2), 'worker'),
+      compression.compressed_all_reduce(
+          compression.powersgd(rank=2), 'worker'),
       optax.sgd(0.1))
 
   def step(p, s, xb, yb):

@@ -5,35 +5,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loc_opt import parallel
-from loc_opt.compression import comm as comm_lib
-from loc_opt.compression import compressor as compressor_lib
-from loc_opt.compression import ternary as terngrad_lib
-
-W = 4
-
-def _normal(seed, shape):
-  """Standard normal test data from NumPy (cheaper than compiling PRNGs)."""
-  return jnp.asarray(
-      np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+from loc_opt import compression
+from loc_opt.compression.terngrad import pack_ternary
+from loc_opt.compression.terngrad import unpack_ternary
+from tests.compression._helpers import normal as _normal
+from tests.compression._helpers import sharded_mean
+from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def _mean_fn(comp):
-  comm = comm_lib.Comm('worker')
+  comm = compression.Comm('worker')
   return jax.vmap(lambda t, k: comp.mean(t, comp.init(t), comm, k)[:2],
                   in_axes=(0, None), axis_name='worker')
 
 
 def test_pack_round_trip_and_size():
   codes = jnp.array([-1, 0, 1, 1, -1, -1, 0, 0, 1, 0, 0, -1], jnp.int8)
-  packed = terngrad_lib.pack_ternary(codes)
+  packed = pack_ternary(codes)
   assert packed.dtype == jnp.uint8 and packed.shape == (3,)
-  np.testing.assert_array_equal(terngrad_lib.unpack_ternary(packed), codes)
+  np.testing.assert_array_equal(unpack_ternary(packed), codes)
   big = np.random.default_rng(0).integers(-1, 2, 1_000_000).astype(np.int8)
-  packed = terngrad_lib.pack_ternary(big)
+  packed = pack_ternary(big)
   assert packed.size * packed.dtype.itemsize == 250_000
-  np.testing.assert_array_equal(terngrad_lib.unpack_ternary(packed), big)
-  comp = terngrad_lib.terngrad()
+  np.testing.assert_array_equal(unpack_ternary(packed), big)
+  comp = compression.terngrad()
   leaf = jax.ShapeDtypeStruct((1000, 1000), jnp.float32)
   assert comp.payload_bytes([leaf]) == 250_000 + 4
 
@@ -41,7 +37,7 @@ def test_pack_round_trip_and_size():
 def test_unbiased_without_clipping():
   x = _normal(1, (W, 10, 7))
   keys = jax.random.split(jax.random.key(2), 3000)
-  fn = jax.jit(jax.vmap(_mean_fn(terngrad_lib.terngrad()), in_axes=(None, 0)))
+  fn = jax.jit(jax.vmap(_mean_fn(compression.terngrad()), in_axes=(None, 0)))
   means, sent = fn({'w': x}, keys)
   means = np.asarray(means['w'], np.float64)
   sent = np.asarray(sent['w'], np.float64)
@@ -66,7 +62,7 @@ def test_unbiased_without_clipping():
 def test_std_scaler_clips_large_entries():
   x = jnp.concatenate([jnp.full((W, 1), 50.0),
                        _normal(3, (W, 99))], 1)
-  comp = terngrad_lib.terngrad(scaler_c=2.5)
+  comp = compression.terngrad(scaler_c=2.5)
   means, sent = jax.jit(_mean_fn(comp))([x], jax.random.key(4))
   scale = float(jnp.max(2.5 * jnp.std(x, axis=1)))  # pmax of c * std
   assert scale < 50.0
@@ -77,7 +73,7 @@ def test_std_scaler_clips_large_entries():
 
 
 def test_small_leaves_are_averaged_in_fp32():
-  comp = terngrad_lib.terngrad(min_size=16)
+  comp = compression.terngrad(min_size=16)
   tree = {'b': _normal(5, (W, 8)),
           'w': _normal(6, (W, 16))}
   means, _ = jax.jit(_mean_fn(comp))(tree, jax.random.key(7))
@@ -89,29 +85,20 @@ def test_small_leaves_are_averaged_in_fp32():
 
 def test_rejects_negative_scaler():
   with pytest.raises(ValueError, match='scaler_c'):
-    terngrad_lib.terngrad(scaler_c=-1.0)
+    compression.terngrad(scaler_c=-1.0)
 
 
 def test_shard_map_moves_packed_codes():
-  mesh = parallel.make_worker_mesh(4, data=2)
-  comp = terngrad_lib.terngrad()
+  comp = compression.terngrad()
   tree = {'w': _normal(8, (W, 256, 128)),
           'b': _normal(9, (W, 128))}
-
-  def mean(t):
-    return compressor_lib.compressed_mean(t, comp, 'worker')
-
-  sharded = jax.device_put(tree, jax.NamedSharding(mesh, jax.P('worker')))
-  fn = jax.jit(parallel.shard_map_workers(mean, mesh))
-  report = parallel.collective_bytes(fn.lower(sharded).compile(), mesh)
-  theory = comp.payload_bytes(jax.tree.map(lambda x: x[0], tree))
+  out, want, report = sharded_mean(comp, tree)
+  theory = comp.payload_bytes(worker_slice(tree))
   assert theory == (256 * 128 + 128) // 4 + 2 * 4
   got = report.cross_worker_bytes_per_worker
   assert got <= 1.1 * theory, report.summary()
   assert got < 0.07 * 4 * (256 * 128 + 128)
   assert 'u8' in {c.shape.split('[')[0] for c in report.collectives
                   if c.cross_worker}
-  want = jax.jit(jax.vmap(mean, axis_name='worker'))(tree)
-  out = fn(sharded)
   np.testing.assert_allclose(out['w'], want['w'], atol=1e-6)
   np.testing.assert_allclose(out['b'], want['b'], atol=1e-6)

@@ -1,9 +1,10 @@
-"""Every registered scheme, by name: runs, and moves what it claims.
+"""The registry: every scheme by name runs and moves what it claims.
 
 For each codec and compressor of the registry, a data-parallel step with
 ``compressed_all_reduce`` is compiled on a 4-worker x 2-device mesh, and the
 cross-worker bytes read from the compiled HLO are compared with the scheme's
-theoretical payload (``payload_bytes``) and with fp32.
+theoretical payload (``payload_bytes``) and with fp32. Unknown names are
+refused with the config field that gave them.
 """
 
 import jax
@@ -42,6 +43,14 @@ SCHEMES = {
     'powersgd': ({'rank': 2}, 0.04),
     'dgc': ({'density': 0.01}, 0.035),  # 1-D leaves go in fp32
 }
+
+
+def test_unknown_names_name_the_field():
+  with pytest.raises(ValueError, match='outer.codec'):
+    compression.make_compressor('int3', field='outer.codec')
+  with pytest.raises(ValueError, match='error feedback'):
+    compression.with_feedback(compression.from_codec(compression.int8()),
+                              'ef3')
 
 
 def test_every_registered_name_is_covered():

@@ -22,6 +22,7 @@ Reference:
 """
 
 from collections.abc import Sequence
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt.compression import compressor as compressor_lib
 
 Compressor = compressor_lib.Compressor
@@ -167,20 +169,17 @@ def powersgd(
   Returns:
     The compressor. Its state is a :class:`PowerSGDState`.
   """
-  if rank < 1:
-    raise ValueError(f'powersgd rank must be >= 1, got {rank}')
-  if ef_mode not in _EF_MODES:
-    raise ValueError(f'unknown ef_mode {ef_mode!r}; choose one of '
-                     f'{_EF_MODES}')
-  if orthogonalize not in _ORTHOGONALIZE:
-    raise ValueError(f'unknown orthogonalize {orthogonalize!r}; choose one '
-                     f'of {_ORTHOGONALIZE}')
+  rank = _checks.positive_int(rank, 'powersgd rank', arrays=True)
+  _checks.one_of(ef_mode, 'ef_mode', _EF_MODES)
+  _checks.one_of(orthogonalize, 'orthogonalize', _ORTHOGONALIZE)
+  orth = functools.partial(orthonormal_columns, method=orthogonalize,
+                           epsilon=epsilon)
+  low_rank_mean = functools.partial(
+      _low_rank_mean, orth=orth, warm_start=warm_start,
+      error_feedback=error_feedback, ef_mode=ef_mode)
 
   def leaf_rank(x):
     return compressed_rank(jnp.shape(x), rank, min_compression_rate)
-
-  def orth(p):
-    return orthonormal_columns(p, orthogonalize, epsilon)
 
   def init(tree):
     errors, queries = [], []
@@ -195,50 +194,17 @@ def powersgd(
     return PowerSGDState(jnp.zeros([], jnp.int32), tuple(errors),
                          tuple(queries))
 
-  def mean_leaf(x, error, query, count, comm, key):
-    shape = jnp.shape(x)
-    n, m = matrix_shape(shape)
-    r = query.shape[1]
-    mat = jnp.reshape(jnp.asarray(x, jnp.float32), (n, m))
-    if error_feedback:
-      mat = mat + jnp.reshape(error, (n, m))
-    fresh = jax.random.normal(key, (m, r), jnp.float32)
-    if warm_start:
-      fresh = jnp.where(count > 0, query, fresh)
-    q = orth(fresh)
-    p = orth(comm.psum(mat @ q))
-    q_local = mat.T @ p
-    q = comm.pmean(q_local)
-    approx = p @ q.T
-    sent = approx if ef_mode == 'global' else p @ q_local.T
-    new_error = jnp.reshape(mat - sent, shape) if error_feedback else ()
-    return (jnp.reshape(approx, shape), jnp.reshape(sent, shape), new_error,
-            q)
-
   def mean(tree, state, comm, key):
-    leaves, treedef = jax.tree.flatten(tree)
-    plain = [i for i, x in enumerate(leaves) if not leaf_rank(x)]
-    plain_means = comm.pmean(
-        [jnp.asarray(leaves[i], jnp.float32) for i in plain])
-    plain_means = dict(zip(plain, plain_means))
-    means, sent, errors, queries = [], [], [], []
-    for i, (x, e, q) in enumerate(
-        zip(leaves, state.error, state.query, strict=True)):
-      if i in plain_means:
-        means.append(plain_means[i])
-        sent.append(jnp.asarray(x, jnp.float32))
-        errors.append(e)
-        queries.append(q)
-        continue
-      avg, own, e, q = mean_leaf(x, e, q, state.count, comm,
-                                 jax.random.fold_in(key, i))
-      means.append(avg)
-      sent.append(own)
-      errors.append(e)
-      queries.append(q)
-    new = PowerSGDState(optax.safe_increment(state.count), tuple(errors),
-                        tuple(queries))
-    return treedef.unflatten(means), treedef.unflatten(sent), new
+    def compressed_leaf(x, eq, key):
+      avg, own, e, q = low_rank_mean(x, *eq, state.count, comm, key)
+      return avg, own, (e, q)
+
+    means, sent, new = compressor_lib.mean_leaves(
+        tree, tuple(zip(state.error, state.query, strict=True)), comm, key,
+        compressed_leaf, plain=lambda x: not leaf_rank(x))
+    errors, queries = (tuple(p) for p in zip(*new)) if new else ((), ())
+    return means, sent, PowerSGDState(optax.safe_increment(state.count),
+                                      errors, queries)
 
   def payload_bytes(tree):
     total = 0
@@ -251,3 +217,32 @@ def powersgd(
 
   return Compressor(f'powersgd(rank={rank})', init, mean, payload_bytes,
                     feedback=error_feedback)
+
+
+def _low_rank_mean(x, error, query, count, comm, key, *, orth, warm_start,
+                   error_feedback, ef_mode):
+  """One power-iteration step on one leaf (see :func:`powersgd`).
+
+  Returns:
+    ``(mean, transmitted, error, query)``: the mean ``P Q^T`` and this
+    worker's transmitted value in the leaf's shape, its new error (``()``
+    without error feedback) and the new ``Q`` ``[m, r]``.
+  """
+  shape = jnp.shape(x)
+  n, m = matrix_shape(shape)
+  r = query.shape[1]
+  mat = jnp.reshape(jnp.asarray(x, jnp.float32), (n, m))
+  if error_feedback:
+    mat = mat + jnp.reshape(error, (n, m))
+  fresh = jax.random.normal(key, (m, r), jnp.float32)
+  if warm_start:
+    fresh = jnp.where(count > 0, query, fresh)
+  q = orth(fresh)
+  p = orth(comm.psum(mat @ q))
+  q_local = mat.T @ p
+  q = comm.pmean(q_local)
+  approx = p @ q.T
+  sent = approx if ef_mode == 'global' else p @ q_local.T
+  new_error = jnp.reshape(mat - sent, shape) if error_feedback else ()
+  return (jnp.reshape(approx, shape), jnp.reshape(sent, shape), new_error,
+          q)

@@ -27,7 +27,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
 from loc_opt.compression import compressor as compressor_lib
+from loc_opt.compression import packing
 
 Compressor = compressor_lib.Compressor
 
@@ -40,18 +42,16 @@ def pack_ternary(codes: jax.Array) -> jax.Array:
 
   Returns:
     uint8 ``[n // 4]``; element ``4 i + j`` sits in bits ``2j, 2j + 1`` of
-    byte ``i`` as its two's-complement low bits (``-1 -> 3``).
+    byte ``i`` as its two's-complement low bits (``-1 -> 3``), the layout of
+    :func:`loc_opt.compression.packing.pack_2bit`.
   """
-  bits = (codes.astype(jnp.int32) & 3).astype(jnp.uint8).reshape(-1, 4)
-  shifts = jnp.arange(4, dtype=jnp.uint8) * 2
-  return jnp.bitwise_or.reduce(bits << shifts, axis=1).astype(jnp.uint8)
+  return packing.pack_2bit(codes)
 
 
 def unpack_ternary(packed: jax.Array) -> jax.Array:
   """Inverse of :func:`pack_ternary`: uint8 ``[k]`` -> int8 ``[4 k]``."""
-  shifts = jnp.arange(4, dtype=jnp.uint8) * 2
-  bits = ((packed[:, None] >> shifts) & 3).astype(jnp.int8)
-  return (bits - 4 * (bits >> 1)).reshape(-1)  # 3 -> -1
+  bits = packing.unpack_2bit(packed).astype(jnp.int8)
+  return bits - 4 * (bits >> 1)  # 3 -> -1
 
 
 def ternarize(x: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
@@ -104,8 +104,7 @@ def terngrad(*, scaler_c: float = 0.0, min_size: int = 1) -> Compressor:
   Returns:
     A stateless compressor sending ``ceil(n / 4) + 4`` bytes per leaf.
   """
-  if scaler_c < 0:
-    raise ValueError(f'terngrad scaler_c must be >= 0, got {scaler_c}')
+  _checks.nonnegative_float(scaler_c, 'terngrad scaler_c')
 
   def mean_leaf(x, state, comm, key):
     shape = jnp.shape(x)

@@ -27,6 +27,7 @@ Reference:
   Communication Bandwidth for Distributed Training*, ICLR 2018.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt.compression import compressor as compressor_lib
 
 Compressor = compressor_lib.Compressor
@@ -242,96 +244,57 @@ def dgc(
     ``8 k`` (fp32 values + int32 indices; the reference sends int64 indices,
     ``12 k``), at the final density.
   """
-  if not 0.0 < density <= 1.0:
-    raise ValueError(f'dgc density must be in (0, 1], got {density}')
-  if warmup_epochs < 0 or steps_per_epoch < 1:
-    raise ValueError('dgc needs warmup_epochs >= 0 and steps_per_epoch >= 1')
+  _checks.in_interval(density, 'dgc density', 0, 1, closed='right')
+  _checks.nonnegative_int(warmup_epochs, 'dgc warmup_epochs')
+  _checks.positive_int(steps_per_epoch, 'dgc steps_per_epoch')
   ratios = [dgc_warmup_ratio(e, density, warmup_epochs)
             for e in range(warmup_epochs + 1)]
-
-  def compressed(x):
-    return len(jnp.shape(x)) > 1
+  if reference_compat:
+    select = functools.partial(sampled_top_k, sample_ratio=sample_ratio)
+  else:
+    select = _exact_select
+  stage_mean = functools.partial(_sparse_mean, select=select,
+                                 momentum_masking=momentum_masking)
+  accumulate = functools.partial(_accumulate, momentum=momentum,
+                                 nesterov=nesterov, clip_norm=clip_norm)
 
   def init(tree):
     leaves = jax.tree.leaves(tree)
     zeros = [jnp.zeros(jnp.shape(x), jnp.float32) for x in leaves]
     return DGCState(
         jnp.zeros([], jnp.int32), tuple(zeros),
-        tuple(z if compressed(x) else () for z, x in zip(zeros, leaves)))
-
-  def select(v, ratio, key):
-    if reference_compat:
-      return sampled_top_k(v, ratio, key, sample_ratio=sample_ratio)
-    return exact_top_k(v, num_selected(v.shape[0], ratio))
-
-  def sparse_mean(v, u, ratio, comm, key):
-    """One stage: select, all-gather, scatter; returns dense vectors."""
-    n = v.shape[0]
-    idx = select(v, ratio, key)
-    values = jnp.take(v, idx, mode='fill', fill_value=0.0)
-    gathered = comm.all_gather({'values': values, 'indices': idx})
-    total = jnp.zeros([n], jnp.float32).at[
-        gathered['indices'].reshape(-1)].add(
-            gathered['values'].reshape(-1), mode='drop')
-    avg = total / comm.size()
-    own = jnp.zeros([n], jnp.float32).at[idx].set(values, mode='drop')
-    v = v.at[idx].set(0.0, mode='drop')
-    if momentum_masking:
-      u = u.at[idx].set(0.0, mode='drop')
-    return avg, own, v, u
-
-  def compressed_leaf(g, u, v, count, comm, key):
-    shape = jnp.shape(g)
-    g = jnp.ravel(jnp.asarray(g, jnp.float32))
-    u, v = jnp.ravel(u), jnp.ravel(v)
-    if clip_norm is not None:
-      limit = clip_norm / math.sqrt(comm.size())
-      norm = jnp.linalg.norm(g)
-      g = g * jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
-    if nesterov:
-      u = momentum * (u + g)
-      v = v + u + g
-    else:
-      u = momentum * u + g
-      v = v + u
-    key = jax.random.fold_in(key, comm.index())
-    branches = [
-        lambda v, u, r=r: sparse_mean(v, u, r, comm, key) for r in ratios]
-    if len(branches) == 1:
-      avg, own, v, u = branches[0](v, u)
-    else:
-      stage = jnp.minimum(count // steps_per_epoch, warmup_epochs)
-      avg, own, v, u = jax.lax.switch(stage, branches, v, u)
-    return tuple(a.reshape(shape) for a in (avg, own, u, v))
+        tuple(z if _compressed(x) else () for z, x in zip(zeros, leaves)))
 
   def mean(tree, state, comm, key):
-    leaves, treedef = jax.tree.flatten(tree)
-    dense = [i for i, x in enumerate(leaves) if not compressed(x)]
-    dense_means = dict(zip(dense, comm.pmean(
-        [jnp.asarray(leaves[i], jnp.float32) for i in dense])))
-    means, sent, moms, vels = [], [], [], []
-    for i, (x, u, v) in enumerate(
-        zip(leaves, state.momentum, state.velocity, strict=True)):
-      if i in dense_means:
-        g = dense_means[i]
-        if nesterov:
-          u = momentum * (u + g)
-          avg = u + g
-        else:
-          u = momentum * u + g
-          avg = u
-        means.append(avg)
-        sent.append(jnp.asarray(x, jnp.float32))
+    def compressed_leaf(x, uv, key):
+      shape = jnp.shape(x)
+      u, v = accumulate(x, *uv, comm.size())
+      key = jax.random.fold_in(key, comm.index())
+      branches = [lambda v, u, r=r: stage_mean(v, u, r, comm, key)
+                  for r in ratios]
+      if len(branches) == 1:
+        avg, own, v, u = branches[0](v, u)
       else:
-        avg, own, u, v = compressed_leaf(x, u, v, state.count, comm,
-                                         jax.random.fold_in(key, i))
-        means.append(avg)
-        sent.append(own)
-      moms.append(u)
-      vels.append(v)
-    new = DGCState(optax.safe_increment(state.count), tuple(moms),
-                   tuple(vels))
-    return treedef.unflatten(means), treedef.unflatten(sent), new
+        stage = jnp.minimum(state.count // steps_per_epoch, warmup_epochs)
+        avg, own, v, u = jax.lax.switch(stage, branches, v, u)
+      avg, own, u, v = (a.reshape(shape) for a in (avg, own, u, v))
+      return avg, own, (u, v)
+
+    def dense_leaf(g, uv):
+      u, v = uv
+      if nesterov:
+        u = momentum * (u + g)
+        return u + g, (u, v)
+      u = momentum * u + g
+      return u, (u, v)
+
+    means, sent, new = compressor_lib.mean_leaves(
+        tree, tuple(zip(state.momentum, state.velocity, strict=True)), comm,
+        key, compressed_leaf, plain=lambda x: not _compressed(x),
+        plain_leaf=dense_leaf)
+    moms, vels = (tuple(parts) for parts in zip(*new)) if new else ((), ())
+    return means, sent, DGCState(optax.safe_increment(state.count), moms,
+                                 vels)
 
   def payload_bytes(tree):
     total = 0
@@ -342,3 +305,58 @@ def dgc(
 
   name = f'dgc(density={density:g}{", compat" if reference_compat else ""})'
   return Compressor(name, init, mean, payload_bytes, feedback=True)
+
+
+def _compressed(x) -> bool:
+  """Whether DGC sparsifies a leaf (two or more dimensions)."""
+  return len(jnp.shape(x)) > 1
+
+
+def _exact_select(v, ratio, key):
+  """The exact top-k of ``|v|`` at the kept ``ratio``."""
+  del key
+  return exact_top_k(v, num_selected(v.shape[0], ratio))
+
+
+def _accumulate(g, u, v, workers, *, momentum, nesterov, clip_norm):
+  """Local clipping and momentum correction of one leaf, flattened.
+
+  Returns:
+    ``(u, v)``: the new momentum and the new accumulated velocity, float32
+    ``[n]``.
+  """
+  g = jnp.ravel(jnp.asarray(g, jnp.float32))
+  u, v = jnp.ravel(u), jnp.ravel(v)
+  if clip_norm is not None:
+    limit = clip_norm / math.sqrt(workers)
+    norm = jnp.linalg.norm(g)
+    g = g * jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
+  if nesterov:
+    u = momentum * (u + g)
+    v = v + u + g
+  else:
+    u = momentum * u + g
+    v = v + u
+  return u, v
+
+
+def _sparse_mean(v, u, ratio, comm, key, *, select, momentum_masking):
+  """One warmup stage: select, all-gather, scatter; dense ``[n]`` vectors.
+
+  Returns:
+    ``(mean, transmitted, v, u)`` with the sent entries of ``v`` (and of
+    ``u``, with momentum factor masking) zeroed.
+  """
+  n = v.shape[0]
+  idx = select(v, ratio, key)
+  values = jnp.take(v, idx, mode='fill', fill_value=0.0)
+  gathered = comm.all_gather({'values': values, 'indices': idx})
+  total = jnp.zeros([n], jnp.float32).at[
+      gathered['indices'].reshape(-1)].add(
+          gathered['values'].reshape(-1), mode='drop')
+  avg = total / comm.size()
+  own = jnp.zeros([n], jnp.float32).at[idx].set(values, mode='drop')
+  v = v.at[idx].set(0.0, mode='drop')
+  if momentum_masking:
+    u = u.at[idx].set(0.0, mode='drop')
+  return avg, own, v, u
