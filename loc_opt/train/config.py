@@ -131,13 +131,10 @@ def make_compressor(config: ml_collections.ConfigDict
   except TypeError as e:
     raise ValueError(f'outer.codec_kwargs do not fit codec {name!r}: {e}') \
         from e
-  mode = cfg.get('error_feedback', 'none')
-  if mode not in compression.FEEDBACK:
-    raise ValueError(f'unknown outer.error_feedback {mode!r}; choose one of '
-                     f'{sorted(compression.FEEDBACK)}')
-  min_size = cfg.get('compress_min_size', 0)
-  if min_size < 0:
-    raise ValueError(f'outer.compress_min_size must be >= 0, got {min_size}')
+  mode = _checks.one_of(cfg.get('error_feedback', 'none'),
+                        'outer.error_feedback', compression.FEEDBACK)
+  min_size = _checks.nonnegative_int(cfg.get('compress_min_size', 0),
+                                     'outer.compress_min_size')
   return compression.build_compressor(
       scheme, error_feedback=mode,
       econtrol_eta=cfg.get('econtrol_eta', 0.1),

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
 from loc_opt import models
 from loc_opt import outer as outer_lib
@@ -83,9 +84,8 @@ def _build_local_sgd(config, inner, axis_name):
 
 
 def _build_compressed_dp(config, inner, axis_name):
-  start = config.outer.get('compress_start_step', 0)
-  if start < 0:
-    raise ValueError(f'outer.compress_start_step must be >= 0, got {start}')
+  start = _checks.nonnegative_int(config.outer.get('compress_start_step', 0),
+                                  'outer.compress_start_step')
   reduce = compression.compressed_all_reduce(
       cfg_lib.make_compressor(config), axis_name, start_step=start)
   return optax.chain(reduce, inner)
