@@ -1,4 +1,4 @@
-"""Tests of DeMo (loc_opt.outer.decoupled): EF invariant, equivalences,
+"""Tests of DeMo (loc_opt.outer.demo): EF invariant, equivalences,
 sign steps, identical workers, and the bytes on the compiled program."""
 
 import functools
@@ -12,7 +12,7 @@ import pytest
 
 from loc_opt import parallel
 from loc_opt.compression import dct
-from loc_opt.outer import decoupled
+from loc_opt import outer
 from tests import optax_conformance as conf
 
 M = 4
@@ -21,8 +21,8 @@ SHAPES = {'w': (16, 8), 'b': (8,)}
 
 
 def make_demo(learning_rate):
-  return decoupled.demo(learning_rate, topk=4, chunk=8, weight_decay=0.1,
-                        axis_name=None)
+  return outer.demo(learning_rate, topk=4, chunk=8, weight_decay=0.1,
+                    axis_name=None)
 
 
 def test_conformance(tmp_path):
@@ -47,7 +47,7 @@ def worker_grads(step, m=M):
 
 
 # Shared transforms and compiled steps keep the file fast.
-TX = decoupled.demo(0.01, topk=4, chunk=8)
+TX = outer.demo(0.01, topk=4, chunk=8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +82,8 @@ def test_error_feedback_invariant(form):
   # One worker, no sign: the direction is the worker's own transmitted
   # reconstruction q, and beta m_old + c g == q + m_new (c = lr or 1-beta).
   lr, beta = 0.3, 0.9
-  tx = decoupled.scale_by_demo(lr, beta=beta, topk=5, chunk=8, momentum=form,
-                               sign=False, axis_name=None)
+  tx = outer.scale_by_demo(lr, beta=beta, topk=5, chunk=8, momentum=form,
+                           sign=False, axis_name=None)
   params = init_params()
   state = tx.init(params)
   step = jax.jit(tx.update)
@@ -110,8 +110,8 @@ def test_whole_block_no_sign_is_data_parallel_sgd(form):
   # decoded mean is the mean LR-scaled gradient, so the step is data-parallel
   # SGD with step lr^2 (lr_scaled) or lr (1 - beta) (ema).
   lr, beta = 0.5, 0.9
-  tx = decoupled.demo(lr, beta=beta, topk=64, chunk=8, momentum=form,
-                      sign=False)
+  tx = outer.demo(lr, beta=beta, topk=64, chunk=8, momentum=form,
+                  sign=False)
   got, state, _ = run_workers(tx, 3)
   step = lr * lr if form == 'lr_scaled' else lr * (1 - beta)
   want = init_params()
@@ -128,8 +128,8 @@ def test_whole_block_no_sign_is_data_parallel_sgd(form):
 def test_sign_step_moves_every_coordinate_by_exactly_lr():
   lr, wd = 0.01, 0.1
   # A schedule: the momentum and the step both read it at the step count.
-  tx = decoupled.demo(optax.constant_schedule(lr), topk=4, chunk=8,
-                      weight_decay=wd)
+  tx = outer.demo(optax.constant_schedule(lr), topk=4, chunk=8,
+                  weight_decay=wd)
   params, _, _ = run_workers(tx, 2)
   _, _, updates = run_workers(tx, 3)
   for k in SHAPES:
@@ -152,7 +152,7 @@ def test_workers_stay_identical_with_distinct_momenta():
 
 
 def test_plan_phases_equal_the_device_decision():
-  plan = decoupled.demo_plan()
+  plan = outer.demo_plan()
   assert [plan(c) for c in range(5)] == [True] * 5
   assert plan.phases(5) == (False, True)
   want, _, _ = run_workers(TX, 3)
@@ -160,8 +160,8 @@ def test_plan_phases_equal_the_device_decision():
   conf.assert_trees_close(got, want, rtol=0, atol=0)
   # The no-exchange phase is the one-worker step: each worker alone.
   local, _, _ = run_workers(TX, 1, sync=False)
-  alone, _, _ = run_workers(decoupled.demo(0.01, topk=4, chunk=8,
-                                           axis_name=None), 1, m=1)
+  alone, _, _ = run_workers(outer.demo(0.01, topk=4, chunk=8,
+                                       axis_name=None), 1, m=1)
   conf.assert_trees_close(jax.tree.map(lambda x: x[:1], local), alone,
                           rtol=0, atol=0)
   assert not np.allclose(local['w'][0], local['w'][1])
@@ -170,17 +170,17 @@ def test_plan_phases_equal_the_device_decision():
 def test_eval_params_are_the_params():
   params = init_params()
   tx = make_demo(0.01)
-  assert decoupled.demo_eval_params(tx.init(params), params) is params
+  assert outer.demo_eval_params(tx.init(params), params) is params
 
 
 def test_bf16_values_halve_value_bytes_and_feed_back_rounding():
   shapes = {'w': jax.ShapeDtypeStruct((128, 64), jnp.float32)}
-  f32 = decoupled.demo_payload_bytes(shapes)
-  b16 = decoupled.demo_payload_bytes(shapes, value_dtype=jnp.bfloat16)
+  f32 = outer.demo_payload_bytes(shapes)
+  b16 = outer.demo_payload_bytes(shapes, value_dtype=jnp.bfloat16)
   # 2 tiles x 32 coefficients: 64 x (4 + 1.5) vs 64 x (2 + 1.5) bytes.
   assert (f32, b16) == (64 * 4 + 96, 64 * 2 + 96)
-  tx = decoupled.scale_by_demo(1.0, beta=0.5, topk=5, chunk=8, sign=False,
-                               axis_name=None, value_dtype=jnp.bfloat16)
+  tx = outer.scale_by_demo(1.0, beta=0.5, topk=5, chunk=8, sign=False,
+                           axis_name=None, value_dtype=jnp.bfloat16)
   params = init_params()
   state = tx.init(params)
   grads = jax.tree.map(lambda g: g[0], worker_grads(0, 1))
@@ -197,12 +197,12 @@ def test_prime_dimension_is_sent_dense():
   # 67 has no divisor in [2, 64]: one-element tiles, each sent whole, with
   # its index: more bytes than fp32. 128 gets two 64-long segments.
   with pytest.warns(UserWarning, match='no divisor'):
-    dense = decoupled.demo_payload_bytes(
+    dense = outer.demo_payload_bytes(
         {'v': jax.ShapeDtypeStruct((67,), jnp.float32)})
   assert dense == 67 * 4 + 3 * 34 > 4 * 67
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    sparse = decoupled.demo_payload_bytes(
+    sparse = outer.demo_payload_bytes(
         {'v': jax.ShapeDtypeStruct((128,), jnp.float32)})
   assert sparse == 64 * 4 + 96
 
@@ -217,7 +217,7 @@ def test_shard_map_runner_matches_vmap_runner():
 def test_compiled_step_moves_the_compact_payload_only():
   mesh = parallel.make_worker_mesh(M, data=2)
   shapes = {'w': (64, 128), 'b': (128,)}
-  tx = decoupled.demo(1e-3)  # topk 32 of 64 x 64, uint12 + fp32
+  tx = outer.demo(1e-3)  # topk 32 of 64 x 64, uint12 + fp32
 
   def step(params, state, grads, sync):
     updates, state = tx.update(grads, state, params, sync=sync)
@@ -234,7 +234,7 @@ def test_compiled_step_moves_the_compact_payload_only():
     return parallel.collective_bytes(compiled, mesh)
 
   n = sum(int(np.prod(s)) for s in shapes.values())
-  theory = decoupled.demo_payload_bytes(
+  theory = outer.demo_payload_bytes(
       {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()})
   # w: 2 tiles x 32; b: 2 segments x 32 (k clipped at the tile, not scaled).
   assert theory == (2 * 32 + 2 * 32) * 4 + 3 * (2 * 32 + 2 * 32) // 2
@@ -252,4 +252,4 @@ def test_compiled_step_moves_the_compact_payload_only():
     ({'aggregate': 'sum'}, 'aggregate')])
 def test_bad_arguments_raise(kwargs, name):
   with pytest.raises(ValueError, match=name):
-    decoupled.demo(0.01, **kwargs)
+    outer.demo(0.01, **kwargs)

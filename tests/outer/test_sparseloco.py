@@ -1,4 +1,4 @@
-"""Tests of SparseLoCo (loc_opt.outer.sparse_outer): EF invariant, the
+"""Tests of SparseLoCo (loc_opt.outer.sparseloco): EF invariant, the
 DiLoCo equivalence, aggregation, plans, and bytes on the compiled program."""
 
 import functools
@@ -11,7 +11,7 @@ import pytest
 
 import loc_opt
 from loc_opt import parallel
-from loc_opt.outer import sparse_outer
+from loc_opt import outer
 from tests import optax_conformance as conf
 from tests.outer import test_demo
 
@@ -21,8 +21,8 @@ SHAPES = {'w': (16, 8), 'b': (8,)}
 
 
 def make_sparseloco(learning_rate):
-  return sparse_outer.sparseloco(optax.adam(learning_rate), sync_every=2,
-                                 axis_name=None)
+  return outer.sparseloco(optax.adam(learning_rate), sync_every=2,
+                          axis_name=None)
 
 
 def test_conformance(tmp_path):
@@ -62,15 +62,15 @@ def run_workers(tx, steps, m=M, mode='vmap', plan=None, grads=worker_grads):
 
 # A default SparseLoCo on small tiles: 8 x 8 tiles of w (k 2), 8-long
 # segments of b (k 1), 2-bit values.
-TX = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=2, topk=128, tile=8)
+TX = outer.sparseloco(optax.sgd(0.1), sync_every=2, topk=128, tile=8)
 
 
 def test_error_feedback_invariant_and_two_bit_messages():
   # One worker, lr 1: the anchor moves by exactly the transmitted
   # reconstruction s, and ef_decay e_old + delta == s + e_new.
   beta = 0.9
-  tx = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=1, ef_decay=beta,
-                               topk=512, tile=8, axis_name=None)
+  tx = outer.sparseloco(optax.sgd(0.1), sync_every=1, ef_decay=beta,
+                        topk=512, tile=8, axis_name=None)
   params = init_params()
   state = tx.init(params)
   step = jax.jit(tx.update)
@@ -98,8 +98,8 @@ def test_error_feedback_invariant_and_two_bit_messages():
 
 def test_dense_unquantized_no_decay_equals_diloco_with_outer_sgd():
   inner = optax.adam(1e-2)
-  dense = sparse_outer.sparseloco(inner, sync_every=3, ef_decay=0.0,
-                                  topk=4096, tile=8, value_codec=None)
+  dense = outer.sparseloco(inner, sync_every=3, ef_decay=0.0,
+                           topk=4096, tile=8, value_codec=None)
   got, state = run_workers(dense, 7)
   want, want_state = run_workers(
       loc_opt.diloco(inner, sync_every=3, outer=optax.sgd(1.0)), 7)
@@ -126,9 +126,9 @@ def hand_grads(step, m=M):
     ('mean_over_workers', {0: 2.0, 7: 0.5, 9: -1.0})])
 def test_aggregation_on_a_hand_case(aggregate, want):
   # One 16-long segment, k = round(256 * 16 / 4096) = 1 entry per worker.
-  tx = sparse_outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
-                               topk=256, tile=16, value_codec=None,
-                               aggregate=aggregate)
+  tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
+                        topk=256, tile=16, value_codec=None,
+                        aggregate=aggregate)
   params = stack({'v': jnp.zeros((16,))})
   state = jax.vmap(tx.init)(params)
   params, state = compiled_step(tx)(params, state, hand_grads(0))
@@ -146,9 +146,9 @@ def test_learning_rate_is_applied_once():
   # Dense, unquantized, no decay, lr 0.5, one worker: the anchor moves
   # halfway to the local parameters and the buffer is emptied (the
   # reference code would move a quarter of the way: lr^2).
-  tx = sparse_outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
-                               topk=4096, tile=8, value_codec=None,
-                               learning_rate=0.5, axis_name=None)
+  tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
+                        topk=4096, tile=8, value_codec=None,
+                        learning_rate=0.5, axis_name=None)
   params = init_params()
   grads = jax.tree.map(lambda g: g[0], worker_grads(0, 1))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -159,7 +159,7 @@ def test_learning_rate_is_applied_once():
 
 
 def test_plan_phases_equal_the_device_decision():
-  plan = sparse_outer.sparseloco_plan(2)
+  plan = outer.sparseloco_plan(2)
   assert [plan(c) for c in range(5)] == [False, True, False, True, False]
   assert plan.phases(5) == (False, True)
   want, want_state = run_workers(TX, 5)
@@ -176,7 +176,7 @@ def test_plan_phases_equal_the_device_decision():
   for m in range(M):
     conf.assert_trees_close(
         jax.tree.map(lambda x: x[m], three),
-        sparse_outer.sparseloco_eval_params(
+        outer.sparseloco_eval_params(
             jax.tree.map(lambda x: x[m], three_state),
             jax.tree.map(lambda x: x[m], three)), rtol=0, atol=1e-6)
   assert not np.allclose(got['w'][0], got['w'][1])
@@ -192,7 +192,7 @@ def test_shard_map_runner_matches_vmap_runner():
 def test_compiled_programs_move_the_compact_payload_only():
   mesh = parallel.make_worker_mesh(M, data=2)
   shapes = {'w': (64, 128), 'b': (128,)}
-  tx = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=3)  # 128 / 4096
+  tx = outer.sparseloco(optax.sgd(0.1), sync_every=3)  # 128 / 4096
 
   def step(params, state, grads, sync):
     updates, state = tx.update(grads, state, params, sync=sync)
@@ -209,7 +209,7 @@ def test_compiled_programs_move_the_compact_payload_only():
     return parallel.collective_bytes(compiled, mesh)
 
   n = sum(int(np.prod(s)) for s in shapes.values())
-  theory = sparse_outer.sparseloco_payload_bytes(
+  theory = outer.sparseloco_payload_bytes(
       {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()})
   # w: 2 tiles x 128 entries, b: 2 segments x 2; 12-bit indices, 2-bit
   # codes, 20 bytes of shift and table per tensor.
@@ -241,4 +241,4 @@ def test_bf16_params_keep_fp32_anchor_and_buffer():
 def test_bad_arguments_raise(kwargs, name):
   kwargs = {'sync_every': 3, **kwargs}
   with pytest.raises(ValueError, match=name):
-    sparse_outer.sparseloco(optax.sgd(0.1), **kwargs)
+    outer.sparseloco(optax.sgd(0.1), **kwargs)

@@ -27,11 +27,13 @@ import optax
 from loc_opt import compression
 from loc_opt.compression import dct
 from loc_opt.compression import quant
-from loc_opt.outer import decoupled
+from loc_opt.outer.demo import check_tile_args
+from loc_opt.outer.demo import exchange
+from loc_opt.outer.demo import SparseTiles
+from loc_opt.outer.demo import UINT12
 from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
 
-UINT12 = decoupled.UINT12
 # SparseLoCo's k is given for 64 x 64 tiles.
 REFERENCE_TILE = 4096
 
@@ -83,13 +85,13 @@ def _check_int(name: str, value: Any) -> int:
 
 def sparseloco_tiles(topk: int = 128, tile: int = 64, *,
                      value_codec: Any = 'two_bit',
-                     index_dtype: Any = UINT12) -> decoupled.SparseTiles:
+                     index_dtype: Any = UINT12) -> SparseTiles:
   """SparseLoCo's wire format: per tile the ``scaled_k`` largest entries of
   the buffer (no DCT), values through ``value_codec``."""
   topk = _check_int('topk', topk)
   tile = _check_int('tile', tile)
-  decoupled.check_tile_args(topk, tile, index_dtype)
-  return decoupled.SparseTiles(
+  check_tile_args(topk, tile, index_dtype)
+  return SparseTiles(
       k=lambda n, kk=topk: dct.scaled_k(kk, n, REFERENCE_TILE),
       chunk=tile, use_dct=False, index_dtype=index_dtype,
       value_codec=_value_codec(value_codec))
@@ -173,8 +175,8 @@ def sparseloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import sparse_outer
-    >>> tx = sparse_outer.sparseloco(optax.adamw(1e-3), sync_every=15)
+    >>> import loc_opt
+    >>> tx = loc_opt.sparseloco(optax.adamw(1e-3), sync_every=15)
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM
@@ -226,7 +228,7 @@ def sparseloco(
       encoded = [tiles.encode(e, enc_key) for e in leaves]
       error = treedef.unflatten(
           [e - s.astype(e.dtype) for e, (_, s) in zip(leaves, encoded)])
-      gathered = decoupled.exchange([msg for msg, _ in encoded], comm)
+      gathered = exchange([msg for msg, _ in encoded], comm)
       mean = treedef.unflatten(
           [tiles.mean(w, e.shape, key, aggregate=aggregate)
            for w, e in zip(gathered, leaves)])

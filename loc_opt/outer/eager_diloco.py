@@ -120,8 +120,8 @@ def eager_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import eager
-    >>> tx = eager.eager_diloco(optax.adamw(4e-4), sync_every=30)
+    >>> import loc_opt
+    >>> tx = loc_opt.eager_diloco(optax.adamw(4e-4), sync_every=30)
 
   References:
     Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and

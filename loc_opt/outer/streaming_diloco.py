@@ -352,8 +352,8 @@ def streaming_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import streaming
-    >>> tx = streaming.streaming_diloco(
+    >>> import loc_opt
+    >>> tx = loc_opt.streaming_diloco(
     ...     optax.adamw(4e-4), sync_every=100, num_fragments=4, overlap=1)
 
   References:

@@ -228,10 +228,10 @@ def desloc(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.desloc(optax.adamw(3e-4, b1=0.95, b2=0.9999),
-    ...                      sync_every=256)
-    >>> plan = desynced.desloc_plan(256)
+    >>> import loc_opt
+    >>> tx = loc_opt.desloc(optax.adamw(3e-4, b1=0.95, b2=0.9999),
+    ...                     sync_every=256)
+    >>> plan = loc_opt.outer.desloc_plan(256)
 
   References:
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
@@ -347,8 +347,8 @@ def local_adam(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.local_adam(optax.adam(1e-3), sync_every=32)
+    >>> import loc_opt
+    >>> tx = loc_opt.local_adam(optax.adam(1e-3), sync_every=32)
 
   References:
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
@@ -405,8 +405,8 @@ def mt_dao(
     An ``optax.GradientTransformationExtraArgs``.
 
   Example:
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.mt_dao(3e-4, sync_every=32, b2=0.9999)
+    >>> import loc_opt
+    >>> tx = loc_opt.mt_dao(3e-4, sync_every=32, b2=0.9999)
 
   References:
     Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
@@ -449,8 +449,8 @@ def desloc_plan(
     A :class:`loc_opt.outer.plan.Plan`.
 
   Example:
-    >>> from loc_opt.outer import desynced
-    >>> plan = desynced.desloc_plan(2)
+    >>> from loc_opt import outer
+    >>> plan = outer.desloc_plan(2)
     >>> [plan(c) for c in range(6)]
     [False, ('params',), False, ('params',), False, ('mu', 'params')]
   """

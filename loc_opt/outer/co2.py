@@ -138,8 +138,8 @@ def co2(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import stale_overlap
-    >>> tx = stale_overlap.co2(optax.adamw(4e-4), sync_every=3)
+    >>> import loc_opt
+    >>> tx = loc_opt.co2(optax.adamw(4e-4), sync_every=3)
 
   References:
     Sun et al., *CO2: Efficient Distributed Training with Full

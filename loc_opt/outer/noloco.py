@@ -241,9 +241,8 @@ def noloco(
 
   Example:
     >>> import optax, loc_opt
-    >>> from loc_opt.outer import no_allreduce
-    >>> tx = no_allreduce.noloco(optax.adamw(6e-4), sync_every=50)
-    >>> plan = no_allreduce.noloco_plan(50, num_workers=8)
+    >>> tx = loc_opt.noloco(optax.adamw(6e-4), sync_every=50)
+    >>> plan = loc_opt.outer.noloco_plan(50, num_workers=8)
 
   References:
     Kolehmainen, Blagoev, Donaghy, Ersoy, Nies, *NoLoCo: No-all-reduce Low

@@ -7,7 +7,7 @@ new server parameters and starts its next round. Two fixes make this match
 synchronous DiLoCo:
 
 * **Delayed Nesterov (DN)**, :func:`delayed_nesterov` (in
-  :mod:`loc_opt.outer.server_momentum`, usable by any server): it applies
+  :mod:`loc_opt.outer.delayed_nesterov`, usable by any server): it applies
   each push with momentum-free SGD and folds the momentum in only once every
   ``N`` pushes, from the average of those pushes, so stale pushes do not
   compound in the momentum.
@@ -40,7 +40,7 @@ import optax
 from loc_opt import compression
 from loc_opt.outer.diloco import init_anchor
 from loc_opt.outer import plan as plan_lib
-from loc_opt.outer.server_momentum import delayed_nesterov
+from loc_opt.outer.delayed_nesterov import delayed_nesterov
 
 # Relative speeds are held as exact fractions p / q with q at most this (so
 # the on-device progress counters p + (k p mod q) stay far inside int32).

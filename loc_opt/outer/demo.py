@@ -9,7 +9,7 @@ workers and takes a sign step on their decoded mean. All workers apply the
 same update, so they stay identical.
 
 The module also holds :class:`SparseTiles`, the per-tile top-k wire format
-shared with SparseLoCo (:mod:`loc_opt.outer.sparse_outer`): tile-local
+shared with SparseLoCo (:mod:`loc_opt.outer.sparseloco`): tile-local
 indices (12-bit packed by default) plus values (a float dtype or a value
 codec), exchanged with an all-gather and averaged with
 :func:`loc_opt.compression.dct.scatter_mean`.
@@ -354,8 +354,8 @@ def scale_by_demo(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import decoupled
-    >>> tx = optax.chain(decoupled.scale_by_demo(1e-3, axis_name=None),
+    >>> from loc_opt import outer
+    >>> tx = optax.chain(outer.scale_by_demo(1e-3, axis_name=None),
     ...                  optax.scale_by_learning_rate(1e-3))
 
   References:
@@ -463,8 +463,8 @@ def demo(
     keyword-only ``sync`` (see :func:`scale_by_demo`).
 
   Example:
-    >>> from loc_opt.outer import decoupled
-    >>> tx = decoupled.demo(4e-4, beta=0.999, topk=32)
+    >>> import loc_opt
+    >>> tx = loc_opt.demo(4e-4, beta=0.999, topk=32)
 
   References:
     Peng, Quesnelle, Kingma, *DeMo: Decoupled Momentum Optimization*, 2024

@@ -181,9 +181,9 @@ def edit_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import robust_average
-    >>> tx = robust_average.edit_diloco(optax.adamw(4e-4), sync_every=10,
-    ...                                 clip_norm=10.0)
+    >>> import loc_opt
+    >>> tx = loc_opt.edit_diloco(optax.adamw(4e-4), sync_every=10,
+    ...                          clip_norm=10.0)
 
   References:
     Cheng et al., *EDiT: A Local-SGD-Based Efficient Distributed Training
