@@ -10,12 +10,14 @@ gradient), and the step's update lands the worker on its new parameters
 parameters change.
 
 This module holds those pieces (:func:`init_anchor`, :func:`pseudo_gradient`,
-:func:`updates_to`, the counters, :func:`nesterov_outer`) and
-:func:`periodic_update`, the step of the methods that sync every ``H``
-inner steps (DiLoCo, Eager updates, EDiT, CO2, NoLoCo, SparseLoCo): the
-inner step, the choice between the sync and the inner branch (a static
-phase, or ``lax.cond`` on the counters) and the counters' advance. Each
-method supplies only its sync branch.
+:func:`updates_to`, the counters, the mean over workers, :func:`nesterov_outer`)
+and :func:`periodic_init` / :func:`periodic_update`, the init and step of the
+methods that sync every ``H`` inner steps (DiLoCo, Eager updates, EDiT, CO2,
+NoLoCo, SparseLoCo): the inner step, the choice between the sync and the
+inner branch (a static phase, or ``lax.cond`` on the counters) and the
+counters' advance. Each method supplies only its sync branch; Streaming
+DiLoCo, DES-LOC and asynchronous local SGD, whose steps differ, use the
+pieces.
 
 References:
   Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen,
@@ -33,7 +35,7 @@ import optax
 from loc_opt import compression
 from loc_opt.outer import plan as plan_lib
 
-# ``sync_step(state, params, local, phase) -> (updates, new fields)``.
+# ``sync_step(state, params, local, payload) -> (updates, new fields)``.
 SyncStep = Callable[[Any, optax.Params, optax.Params, Any],
                     tuple[optax.Updates, dict[str, Any]]]
 

@@ -7,11 +7,12 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
 from loc_opt import outer
+from loc_opt import parallel
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 # ------------------------------------------------------ Delayed Nesterov ---
@@ -90,8 +91,7 @@ def test_dn_activation_at_its_bound_is_accepted():
 def test_dn_conformance(tmp_path):
   conf.check_all(
       lambda learning_rate: outer.delayed_nesterov(
-          learning_rate, 0.9, buffer_size=2,
-                                      activation=0.25), tmp_path)
+          learning_rate, 0.9, buffer_size=2, activation=0.25), tmp_path)
 
 
 # -------------------------------------------------------- speeds, events ---
@@ -157,47 +157,24 @@ def test_plan_names_the_finishers():
 
 
 # ------------------------------------------------------ async local SGD ---
-def quad_loss(params, batch):
-  x, y = batch
-  pred = jnp.tanh(x @ params['w']) + params['b']
-  return jnp.mean((pred - y) ** 2)
-
-
 def init_params():
   k1, k2 = jax.random.split(jax.random.key(0))
   return {'w': jax.random.normal(k1, (16, 8)) / 4,
           'b': jax.random.normal(k2, (8,))}
 
 
-def worker_batches(step, m=M):
-  key = jax.random.fold_in(jax.random.key(42), step)
-  kx, ky = jax.random.split(key)
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def make_step(tx, sync=None, loss=quad_loss):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 def run_workers(tx, ticks, plan=None, runner=parallel.vmap_workers,
-                params=None, batches=worker_batches, loss=quad_loss):
+                params=None, batches=helpers.wide_batches,
+                loss=helpers.quad_loss):
   """Runs M workers for `ticks` ticks; with a plan, one program per phase."""
   programs = {}
 
   def program(phase):
     if phase not in programs:
-      programs[phase] = jax.jit(runner(make_step(tx, phase, loss)))
+      programs[phase] = jax.jit(runner(helpers.train_step(tx, phase, loss)))
     return programs[phase]
 
-  params = stack(init_params()) if params is None else params
+  params = helpers.stack(init_params()) if params is None else params
   state = jax.vmap(tx.init)(params)
   for k in range(ticks):
     phase = None if plan is None else plan(k)
@@ -244,7 +221,7 @@ def test_straggler_trace_is_analytic():
   #   phi = -6, w1 pulls -6 (version 3).
   tx = outer.async_local_sgd(optax.sgd(1.0), speeds=(1.0, 0.5), sync_every=2,
                              dylu=False, outer=optax.sgd(1.0))
-  params = stack({'w': jnp.zeros(3)}, 2)
+  params = helpers.stack({'w': jnp.zeros(3)}, 2)
   trace = []
   for ticks in range(1, 5):
     got, state, _ = run_workers(tx, ticks, params=params, loss=const_loss,
@@ -266,7 +243,7 @@ def test_straggler_trace_is_analytic():
 def test_idle_worker_returns_zero_and_keeps_its_inner_state():
   tx = outer.async_local_sgd(optax.adam(1e-2), speeds=(1.0, 1.0, 1.0, 0.5),
                              sync_every=4)
-  params = stack(init_params())
+  params = helpers.stack(init_params())
   got, state, _ = run_workers(tx, 1, params=params)
   adam = state.inner_state[0]
   np.testing.assert_array_equal(adam.count, [1, 1, 1, 0])
@@ -309,10 +286,10 @@ def test_dylu_transform_follows_its_periods():
 
 
 def compiled(tx, sync, mesh):
-  params = stack(init_params())
+  params = helpers.stack(init_params())
   state = jax.vmap(tx.init)(params)
-  step = parallel.shard_map_workers(make_step(tx, sync), mesh)
-  return jax.jit(step).lower(params, state, worker_batches(0)).compile()
+  step = parallel.shard_map_workers(helpers.train_step(tx, sync), mesh)
+  return jax.jit(step).lower(params, state, helpers.wide_batches(0)).compile()
 
 
 def test_only_pushing_phases_cross_workers(hetero):
@@ -338,10 +315,10 @@ def test_only_pushing_phases_cross_workers(hetero):
   lo, hi = report.cross_worker_bytes_range
   assert lo == 0 and 0.9 * payload * M <= hi <= 1.1 * payload * M
   # ... and it runs on the mesh with the numbers of the vmap simulation.
-  params = stack(init_params())
+  params = helpers.stack(init_params())
   state = jax.vmap(tx.init)(params)
   for k in range(TICKS):
-    params, state = program(params, state, worker_batches(k))
+    params, state = program(params, state, helpers.wide_batches(k))
   conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-6)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-6)
   assert state.count.sharding.spec == jax.P('worker')
@@ -377,10 +354,11 @@ def test_bad_phase_and_worker_count_raise():
                              sync_every=2)
 
   def trace(sync, m):
-    params = jax.eval_shape(lambda: stack(init_params(), m))
+    params = jax.eval_shape(lambda: helpers.stack(init_params(), m))
     state = jax.eval_shape(jax.vmap(tx.init), params)
-    jax.eval_shape(parallel.vmap_workers(make_step(tx, sync)), params, state,
-                   jax.eval_shape(lambda: worker_batches(0, m)))
+    jax.eval_shape(parallel.vmap_workers(helpers.train_step(tx, sync)),
+                   params, state,
+                   jax.eval_shape(lambda: helpers.wide_batches(0, m)))
 
   with pytest.raises(ValueError, match='speeds'):
     trace(False, 4)

@@ -8,12 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from loc_opt import parallel
 from loc_opt import outer
+from loc_opt import parallel
 from loc_opt.outer.desloc import find_state_field
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def params16():
@@ -22,44 +23,18 @@ def params16():
           'b': 0.1 * jax.random.normal(k2, (8,))}
 
 
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
-
-
-def worker_batches(step, m=M):
-  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def train_step(tx, sync=None):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 def run_workers(tx, steps, m=M, runner=parallel.vmap_workers, keep=()):
   """Trains m workers with tx (sync=None); returns (stacked params, state),
   or with ``keep`` a dict ``{steps taken: (params, state)}`` of those."""
-  fn = jax.jit(runner(train_step(tx)))
-  params = stack(params16(), m)
+  fn = jax.jit(runner(helpers.train_step(tx)))
+  params = helpers.stack(params16(), m)
   state = jax.vmap(tx.init)(params)
   kept = {}
   for i in range(steps):
-    params, state = fn(params, state, worker_batches(i, m))
+    params, state = fn(params, state, helpers.wide_batches(i, m))
     if i + 1 in keep:
       kept[i + 1] = (params, state)
   return kept if keep else (params, state)
-
-
-def worker(tree, m):
-  return jax.tree.map(lambda x: x[m], tree)
 
 
 def adam_mu_nu(state):
@@ -95,12 +70,12 @@ def test_equal_periods_are_local_adam_written_out():
   got, state = run_workers(tx, steps)
 
   # Each worker: plain Adam in NumPy; every k steps average x, m and v.
-  p = jax.tree.map(np.asarray, stack(params16()))
+  p = jax.tree.map(np.asarray, helpers.stack(params16()))
   mom = jax.tree.map(np.zeros_like, p)
   vel = jax.tree.map(np.zeros_like, p)
-  grad = jax.jit(jax.vmap(jax.grad(loss)))
+  grad = jax.jit(jax.vmap(jax.grad(helpers.quad_loss)))
   for t in range(1, steps + 1):
-    g = jax.tree.map(np.asarray, grad(p, worker_batches(t - 1)))
+    g = jax.tree.map(np.asarray, grad(p, helpers.wide_batches(t - 1)))
     mom = jax.tree.map(lambda a, x: b1 * a + (1 - b1) * x, mom, g)
     vel = jax.tree.map(lambda a, x: b2 * a + (1 - b2) * x * x, vel, g)
     p = jax.tree.map(
@@ -149,12 +124,14 @@ def test_one_worker_is_the_inner_optimizer():
 
   @jax.jit
   def step(params, state, batch):
-    u, state = inner.update(jax.grad(loss)(params, batch), state, params)
+    u, state = inner.update(jax.grad(helpers.quad_loss)(params, batch), state,
+                            params)
     return optax.apply_updates(params, u), state
 
   for i in range(6):
-    want, state = step(want, state, worker(worker_batches(i, 1), 0))
-  conf.assert_trees_close(worker(got, 0), want, rtol=1e-6, atol=1e-7)
+    want, state = step(want, state,
+                       helpers.worker(helpers.wide_batches(i, 1), 0))
+  conf.assert_trees_close(helpers.worker(got, 0), want, rtol=1e-6, atol=1e-7)
 
 
 def test_each_state_is_averaged_only_when_due():
@@ -184,7 +161,7 @@ def test_state_outside_its_period_follows_the_inner_rule():
                     state_sync_every={'mu': 4, 'nu': 4})
   snaps = run_workers(tx, 2, keep=(1, 2))
   params, state = snaps[1]
-  g = jax.vmap(jax.grad(loss))(params, worker_batches(1))
+  g = jax.vmap(jax.grad(helpers.quad_loss))(params, helpers.wide_batches(1))
   mu0, nu0 = adam_mu_nu(state)
   _, state = snaps[2]  # count 1: params only
   mu1, nu1 = adam_mu_nu(state)
@@ -233,14 +210,14 @@ def test_plan_programs_equal_cond_program():
                     state_sync_every=periods)
   plan = outer.desloc_plan(2, periods)
   steps = 12
-  programs = {ph: jax.jit(parallel.vmap_workers(train_step(tx, ph)))
+  programs = {ph: jax.jit(parallel.vmap_workers(helpers.train_step(tx, ph)))
               for ph in plan.phases(steps)}
   assert len(programs) == 5
-  params = stack(params16())
+  params = helpers.stack(params16())
   state = jax.vmap(tx.init)(params)
   for count in range(steps):
     params, state = programs[plan(count)](params, state,
-                                          worker_batches(count))
+                                          helpers.wide_batches(count))
   want, want_state = run_workers(tx, steps)
   # The same arithmetic; XLA may fuse the separately compiled programs
   # differently (1 ulp, seen even on inner steps).
@@ -324,7 +301,7 @@ def test_shard_map_matches_vmap(mesh):
 
 def test_hlo_bytes_per_phase(mesh):
   tx = outer.desloc(optax.adam(1e-2), sync_every=2)
-  params = stack(params16())
+  params = helpers.stack(params16())
   state = jax.vmap(tx.init)(params)
   one = jax.eval_shape(tx.init, params16())
   n = 16 * 8 + 8
@@ -332,8 +309,8 @@ def test_hlo_bytes_per_phase(mesh):
 
   def bytes_of(phase):
     compiled = jax.jit(parallel.shard_map_workers(
-        train_step(tx, phase), mesh)).lower(
-            params, state, worker_batches(0)).compile()
+        helpers.train_step(tx, phase), mesh)).lower(
+            params, state, helpers.wide_batches(0)).compile()
     return parallel.collective_bytes(compiled, mesh)
 
   assert bytes_of(False).cross_worker_bytes == 0

@@ -1,7 +1,5 @@
 """Tests of EDiT: DiLoCo equivalence, anomaly drop, weights, clip, bytes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,12 +7,11 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
 from loc_opt import outer
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 DIRECTION = jnp.array([0.6, 0.8])  # a unit vector
 
 
@@ -29,11 +26,11 @@ def test_conformance(tmp_path):
 
 def test_no_penalty_is_diloco():
   kw = dict(sync_every=3)
-  got, state = td.run_workers(
+  got, state = helpers.run_workers(
       outer.edit_diloco(optax.adam(1e-2), z_threshold=float('inf'),
                         temperature=float('inf'), **kw), 10)
-  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
-                                    10)
+  want, want_state = helpers.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
+                                         10)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
                           atol=1e-7)
@@ -47,13 +44,8 @@ def run_syncs(tx, norms, m=M):
   ``norms[s][k] * DIRECTION``. Returns the params and state after each
   sync."""
 
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack({'x': jnp.array([1.0, -2.0])}, m)
+  step = helpers.grads_step(tx)
+  params = helpers.stack({'x': jnp.array([1.0, -2.0])}, m)
   state = jax.vmap(tx.init)(params)
   out = [(params, state)]
   for row in norms:
@@ -138,25 +130,17 @@ def test_clip_bounds_the_aggregate(clip_norm, moved):
 def test_plan_matches_cond_program():
   tx = outer.edit_diloco(optax.adam(1e-2), sync_every=3, warmup_syncs=1,
                          temperature=0.01, clip_norm=0.05)
-  plan = outer.edit_plan(3)
-
-  params, state, programs = td.run_planned(tx, plan, 9)
-  assert set(programs) == {False, True}
-  want, want_state = td.run_workers(tx, 9)
-  conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
-  conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
+  state = helpers.check_plan_matches_cond(tx, outer.edit_plan(3), 9)
   assert int(state.num_syncs[0]) == 3
   # The weights are not uniform (temperature 0.01 on differing norms).
   assert np.ptp(np.asarray(state.weight)) > 0.01
 
 
 def test_shard_map_runner_matches_vmap_runner():
-  mesh = parallel.make_worker_mesh(M, data=2)
   tx = outer.edit_diloco(optax.adam(1e-2), sync_every=2, warmup_syncs=1,
                          temperature=0.01, clip_norm=0.05)
-  want, want_state = td.run_workers(tx, 4)
-  got, state = td.run_workers(
-      tx, 4, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
+  want, want_state = helpers.run_workers(tx, 4)
+  got, state = helpers.run_sharded(tx, 4)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   conf.assert_trees_close(state.weight, want_state.weight, rtol=1e-5)
 
@@ -182,20 +166,8 @@ def test_bad_arguments_raise():
 
 
 def test_hlo_bytes():
-  mesh = parallel.make_worker_mesh(M, data=2)
   tx = outer.edit_diloco(optax.sgd(0.1), sync_every=3, clip_norm=1.0)
-  params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-
-  def report(sync):
-    return td.phase_report(tx, params, sync, mesh)
-
-  theory = outer.edit_bytes(jax.tree.map(lambda x: x[0], params))
+  params = helpers.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
+  theory = outer.edit_bytes(helpers.worker(params, 0))
   assert theory == 4 * (512 + 16) + 8
-  assert report(False).cross_worker_bytes_range == (0, 0)
-  np.testing.assert_allclose(report(True).cross_worker_bytes_per_worker,
-                             theory, rtol=0.1)
-  cond = report(None)
-  assert cond.cross_worker_bytes == 0
-  (branches,) = cond.branches.values()
-  assert sorted(branches)[0] == 0
-  np.testing.assert_allclose(sorted(branches)[1] / M, theory, rtol=0.1)
+  helpers.check_two_phase_bytes(tx, params, theory)

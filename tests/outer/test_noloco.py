@@ -9,16 +9,13 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
 from loc_opt import outer
+from loc_opt import parallel
 from loc_opt.outer.noloco import noloco_group_ids
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
-
-
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
+M = helpers.M
 
 
 def model_params(m=M):
@@ -28,30 +25,7 @@ def model_params(m=M):
           'b': jax.random.normal(k2, (m, 8))}
 
 
-def loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
-
-
-def batches(step, m=M):
-  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def make_step(tx, sync=None):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 _PROGRAMS = {}
-
-
-@functools.cache
-def worker_mesh():
-  return parallel.make_worker_mesh(M, data=2)
 
 
 def program(tx, sync, params, state, batch, mesh=None):
@@ -60,7 +34,7 @@ def program(tx, sync, params, state, batch, mesh=None):
                 for x in jax.tree.leaves((params, state, batch)))
   key = (tx, sync, mesh, avals)
   if key not in _PROGRAMS:
-    step = make_step(tx, sync)
+    step = helpers.train_step(tx, sync)
     if mesh is None:
       mapped = parallel.vmap_workers(step)
     else:
@@ -75,7 +49,7 @@ def run(tx, steps, params, *, plan=None, phase=None, mesh=None):
   state = jax.vmap(tx.init)(params)
   for i in range(steps):
     sync = plan(i) if plan is not None else phase
-    args = (params, state, batches(i, num_workers))
+    args = (params, state, helpers.wide_batches(i, num_workers))
     compiled = program(tx, sync, *args, mesh)
     if mesh is not None:  # e.g. a sync leaves its output spread over 'data'
       args = jax.device_put(args, compiled.input_shardings[0])
@@ -214,7 +188,7 @@ def test_hand_computed_syncs_with_consensus(consensus):
 
 
 def test_one_group_of_all_workers_is_diloco_with_heavy_ball():
-  params = stack(jax.tree.map(lambda x: x[0], model_params()))
+  params = helpers.stack(jax.tree.map(lambda x: x[0], model_params()))
   tx = outer.noloco(optax.adam(1e-2), sync_every=3, learning_rate=0.7,
                     momentum=0.5, group_size=M)
   got, state = run(tx, 9, params, plan=outer.noloco_plan(3, M, group_size=M))
@@ -278,9 +252,9 @@ def test_shard_map_matches_vmap():
   params = model_params()
   plan = outer.noloco_plan(2, M)
   want, _ = run(TX[2], 2, params)
-  got, state = run(TX[2], 2, params, plan=plan, mesh=worker_mesh())
+  got, state = run(TX[2], 2, params, plan=plan, mesh=helpers.worker_mesh())
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
-  cond, _ = run(TX[2], 2, params, mesh=worker_mesh())
+  cond, _ = run(TX[2], 2, params, mesh=helpers.worker_mesh())
   conf.assert_trees_close(cond, want, rtol=1e-6, atol=1e-6)
   assert state.count.sharding.spec == jax.P('worker')
 
@@ -341,7 +315,7 @@ def test_conformance(tmp_path):
 
 @pytest.mark.parametrize('group_size', [2, 4])
 def test_sync_program_only_permutes_its_payload(group_size):
-  mesh = worker_mesh()
+  mesh = helpers.worker_mesh()
   params = model_params()
   one = jax.tree.map(lambda x: x[0], params)
   tx = TX[group_size]
@@ -349,7 +323,7 @@ def test_sync_program_only_permutes_its_payload(group_size):
   state = jax.vmap(tx.init)(params)
 
   def report(sync):
-    compiled = program(tx, sync, params, state, batches(0), mesh)
+    compiled = program(tx, sync, params, state, helpers.wide_batches(0), mesh)
     return parallel.collective_bytes(compiled, mesh)
 
   inner = report(plan(0))
@@ -366,11 +340,11 @@ def test_sync_program_only_permutes_its_payload(group_size):
 
 
 def test_on_device_program_syncs_in_one_branch_by_all_gather():
-  mesh = worker_mesh()
+  mesh = helpers.worker_mesh()
   params = model_params()
   state = jax.vmap(TX[2].init)(params)
   report = parallel.collective_bytes(
-      program(TX[2], None, params, state, batches(0), mesh), mesh)
+      program(TX[2], None, params, state, helpers.wide_batches(0), mesh), mesh)
   assert report.cross_worker_bytes == 0
   kinds = {c.kind for c in report.collectives if c.cross_worker}
   assert kinds == {'all-gather'}

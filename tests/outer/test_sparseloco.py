@@ -10,14 +10,14 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
 from loc_opt import outer
+from loc_opt import parallel
 from tests import optax_conformance as conf
-from tests.outer import test_demo
+from tests.outer import _helpers as helpers
 
-M = 4
-# A 16 x 8 weight (one 16 x 8 tile at tile 16) and a bias of 8.
-SHAPES = {'w': (16, 8), 'b': (8,)}
+M = helpers.M
+# DeMo's tests' model: helpers.TILE_SHAPES, a 16 x 8 weight (one 16 x 8
+# tile at tile 16) and a bias of 8, with helpers.tile_grads.
 
 
 def make_sparseloco(learning_rate):
@@ -29,10 +29,6 @@ def test_conformance(tmp_path):
   conf.check_all(make_sparseloco, tmp_path)
 
 
-# The same small model, parameters and per-worker gradients as DeMo's tests.
-stack = test_demo.stack
-init_params = test_demo.init_params
-worker_grads = test_demo.worker_grads
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +45,10 @@ def compiled_step(tx, mode='vmap', sync=None):
       step, parallel.make_worker_mesh(M, data=2)))
 
 
-def run_workers(tx, steps, m=M, mode='vmap', plan=None, grads=worker_grads):
+def run_workers(tx, steps, m=M, mode='vmap', plan=None,
+                grads=helpers.tile_grads):
   """Trains m workers; ``plan`` picks a static program per step."""
-  params = stack(init_params(), m)
+  params = helpers.stack(helpers.tile_params(), m)
   state = jax.vmap(tx.init)(params)
   for i in range(steps):
     sync = None if plan is None else plan(i)
@@ -71,14 +68,14 @@ def test_error_feedback_invariant_and_two_bit_messages():
   beta = 0.9
   tx = outer.sparseloco(optax.sgd(0.1), sync_every=1, ef_decay=beta,
                         topk=512, tile=8, axis_name=None)
-  params = init_params()
+  params = helpers.tile_params()
   state = tx.init(params)
   step = jax.jit(tx.update)
   for i in range(3):
-    grads = jax.tree.map(lambda g: g[0], worker_grads(i, 1))
+    grads = jax.tree.map(lambda g: g[0], helpers.tile_grads(i, 1))
     updates, new = step(grads, state, params)
     new_params = optax.apply_updates(params, updates)
-    for k in SHAPES:
+    for k in helpers.TILE_SHAPES:
       delta = state.anchor[k] - (params[k] - 0.1 * grads[k])
       sent = state.anchor[k] - new.anchor[k]
       np.testing.assert_allclose(beta * state.error[k] + delta,
@@ -129,7 +126,7 @@ def test_aggregation_on_a_hand_case(aggregate, want):
   tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
                         topk=256, tile=16, value_codec=None,
                         aggregate=aggregate)
-  params = stack({'v': jnp.zeros((16,))})
+  params = helpers.stack({'v': jnp.zeros((16,))})
   state = jax.vmap(tx.init)(params)
   params, state = compiled_step(tx)(params, state, hand_grads(0))
   expected = np.zeros(16, np.float32)
@@ -149,8 +146,8 @@ def test_learning_rate_is_applied_once():
   tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
                         topk=4096, tile=8, value_codec=None,
                         learning_rate=0.5, axis_name=None)
-  params = init_params()
-  grads = jax.tree.map(lambda g: g[0], worker_grads(0, 1))
+  params = helpers.tile_params()
+  grads = jax.tree.map(lambda g: g[0], helpers.tile_grads(0, 1))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   conf.assert_trees_close(
       optax.apply_updates(params, updates),
@@ -193,20 +190,10 @@ def test_compiled_programs_move_the_compact_payload_only():
   mesh = parallel.make_worker_mesh(M, data=2)
   shapes = {'w': (64, 128), 'b': (128,)}
   tx = outer.sparseloco(optax.sgd(0.1), sync_every=3)  # 128 / 4096
-
-  def step(params, state, grads, sync):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
   params = {k: jnp.zeros((M,) + s) for k, s in shapes.items()}
-  grads = {k: jnp.ones((M,) + s) for k, s in shapes.items()}
-  state = jax.vmap(tx.init)(params)
 
   def report(sync):
-    compiled = jax.jit(parallel.shard_map_workers(
-        functools.partial(step, sync=sync), mesh)).lower(
-            params, state, grads).compile()
-    return parallel.collective_bytes(compiled, mesh)
+    return helpers.phase_report(tx, params, sync, mesh)
 
   n = sum(int(np.prod(s)) for s in shapes.values())
   theory = outer.sparseloco_payload_bytes(

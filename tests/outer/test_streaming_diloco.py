@@ -1,7 +1,5 @@
 """Tests of Streaming DiLoCo: schedule, fragments, overlap blend, bytes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +8,12 @@ import pytest
 
 import loc_opt
 from loc_opt import compression
-from loc_opt import parallel
 from loc_opt import outer
+from loc_opt import parallel
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def make_streaming(learning_rate):
@@ -28,32 +26,12 @@ def test_conformance(tmp_path):
   conf.check_all(make_streaming, tmp_path)
 
 
-def run_phased(tx, plan, steps, m=M):
-  """As td.run_workers, with the static phase of the plan on every step."""
-
-  def step(params, state, batch, sync):
-    grads = jax.grad(td.quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  programs = {}
-  params = td.stack(conf.example_params(), m)
-  state = jax.vmap(tx.init)(params)
-  for i in range(steps):
-    phase = plan(i)
-    if phase not in programs:
-      programs[phase] = jax.jit(parallel.vmap_workers(
-          functools.partial(step, sync=phase)))
-    params, state = programs[phase](params, state, td.worker_batches(i, m))
-  return params, state, programs
-
-
 def test_one_fragment_no_overlap_is_diloco():
   kw = dict(sync_every=3, outer=loc_opt.outer.nesterov_outer(0.7, 0.9))
-  got, state = td.run_workers(outer.streaming_diloco(
+  got, state = helpers.run_workers(outer.streaming_diloco(
       optax.adam(1e-2), num_fragments=1, **kw), 10)
-  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
-                                    10)
+  want, want_state = helpers.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
+                                         10)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
                           atol=1e-7)
@@ -71,8 +49,8 @@ def test_plan_matches_switch_program(h, p, tau):
       overlap=tau)
   plan = outer.streaming_plan(h, p, tau)
   steps = 2 * h + tau + 1
-  got, state, programs = run_phased(tx, plan, steps)
-  want, want_state = td.run_workers(tx, steps)
+  got, state, programs = helpers.run_planned(tx, plan, steps)
+  want, want_state = helpers.run_workers(tx, steps)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
   # Inner, one send per fragment (and one apply per fragment with overlap).
@@ -234,14 +212,8 @@ def test_overlap_blend_uses_current_local_params():
   g = {'head': jnp.array([[1.0, 2.0], [3.0, -1.0]]),
        'layer_0': jnp.array([[-2.0, 0.5], [1.0, 1.5]])}
   gbar = jax.tree.map(lambda x: x.mean(0), g)
-
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(th0, 2)
+  step = helpers.grads_step(tx)
+  params = helpers.stack(th0, 2)
   state = jax.vmap(tx.init)(params)
   seen = []
   for _ in range(5):
@@ -273,8 +245,8 @@ def test_only_the_applied_fragment_moves_its_outer_state():
       optax.adam(1e-2), sync_every=h, num_fragments=p, overlap=tau,
       fragments=lambda path, x: {'w': 1, 'b': 2}[path[0].key] if x.ndim
       else 0)
-  params = td.stack({'w': jnp.ones((4, 3)), 'b': jnp.ones(3),
-                     'c': jnp.ones(())})
+  params = helpers.stack({'w': jnp.ones((4, 3)), 'b': jnp.ones(3),
+                          'c': jnp.ones(())})
   state = jax.vmap(tx.init)(params)
   plan = outer.streaming_plan(h, p, tau)
 
@@ -288,7 +260,7 @@ def test_only_the_applied_fragment_moves_its_outer_state():
     return optax.apply_updates(params, updates), state
 
   for i in range(2 * h + 1):
-    new_params, new_state = step(params, state, td.worker_batches(i))
+    new_params, new_state = step(params, state, helpers.worker_batches(i))
     phase = plan(i)
     applied = phase[1] if phase else None
     for q in range(p):
@@ -313,8 +285,8 @@ def test_fp4_codec_sends_through_each_fragment():
       codec=codec)
   exact = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0})
-  params, state = td.run_workers(tx, 2)  # fragment 1 ('w') synced once
-  want, _ = td.run_workers(exact, 2)
+  params, state = helpers.run_workers(tx, 2)  # fragment 1 ('w') synced once
+  want, _ = helpers.run_workers(exact, 2)
   # Workers agree after the sync; fp4 lands near the exact mean.
   np.testing.assert_array_equal(params['w'][0], params['w'][3])
   np.testing.assert_allclose(params['w'], want['w'], atol=0.05)
@@ -336,27 +308,17 @@ def hlo_params():
   return params
 
 
-def per_worker_bytes(tx, sync, mesh):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(hlo_params())
-  state = jax.eval_shape(jax.vmap(tx.init), params)
-  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, params).compile()
-  return parallel.collective_bytes(compiled, mesh)
-
-
 def test_hlo_bytes_per_phase():
   mesh = parallel.make_worker_mesh(M, data=2)
+  params = helpers.stack(hlo_params())
   p, h = 3, 6
   ids = outer.fragment_ids(hlo_params(), p)
   theory = outer.fragment_bytes(hlo_params(), ids)
   assert theory == [4096] * 3
   dense = loc_opt.diloco(optax.sgd(0.1), sync_every=h,
                          reduce_fn=parallel.worker_mean())
-  total = per_worker_bytes(dense, True, mesh).cross_worker_bytes_per_worker
+  total = helpers.phase_report(dense, params, True,
+                               mesh).cross_worker_bytes_per_worker
   np.testing.assert_allclose(total, sum(theory), rtol=0.1)
   fp4 = compression.fp4_codec('e3m0', block_size=None)
   for codec in (None, fp4):
@@ -370,7 +332,7 @@ def test_hlo_bytes_per_phase():
     if codec is None:
       phases += [False, (None, 0)]
     for phase in phases:
-      report = per_worker_bytes(tx, phase, mesh)
+      report = helpers.phase_report(tx, params, phase, mesh)
       got[phase] = report.cross_worker_bytes_per_worker
       assert report.cross_worker_bytes_range[0] == \
           report.cross_worker_bytes_range[1]  # no conditional collectives
@@ -389,7 +351,7 @@ def test_switch_program_sends_only_inside_branches():
   mesh = parallel.make_worker_mesh(M, data=2)
   tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=6,
                               num_fragments=3)
-  report = per_worker_bytes(tx, None, mesh)
+  report = helpers.phase_report(tx, helpers.stack(hlo_params()), None, mesh)
   assert report.cross_worker_bytes == 0
   (branches,) = report.branches.values()
   # Inner branch moves nothing; each fragment's branch its 4 KiB per worker.
