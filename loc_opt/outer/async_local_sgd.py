@@ -267,12 +267,14 @@ class _Schedule(NamedTuple):
   periods: np.ndarray
 
   @classmethod
-  def of(cls, ratios, periods) -> '_Schedule':
+  def of(cls, ratios: Sequence[fractions.Fraction], periods: Sequence[int]
+         ) -> '_Schedule':
+    """From the exact relative speeds and the periods of the workers."""
     return cls(np.array([r.numerator for r in ratios], np.int32),
                np.array([r.denominator for r in ratios], np.int32),
                np.array(periods, np.int32))
 
-  def tick(self, state: 'AsyncLocalSgdState'
+  def tick(self, state: AsyncLocalSgdState
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(active [M], progress, finishing [M], round_steps)`` after this
     tick, replayed identically on every worker (no communication)."""

@@ -151,6 +151,12 @@ def desloc_phase(count: int, periods: Mapping[str, int]) -> Phase:
   return due or False
 
 
+def _mean_fn(comm: compression.Comm | None) -> Callable[[Any], Any]:
+  """The mean over workers (each element sent once per worker on a mesh),
+  or the identity for one worker."""
+  return _local.identity if comm is None else comm.pmean
+
+
 def _sync_fields(inner_state: Any, names: Sequence[str],
                  comm: compression.Comm | None) -> Any:
   """``inner_state`` with the fields ``names`` averaged over workers."""
@@ -158,10 +164,6 @@ def _sync_fields(inner_state: Any, names: Sequence[str],
     inner_state = map_state_field(inner_state, name, _mean_fn(comm))
     inner_state = _local.varying_fn(comm)(inner_state)
   return inner_state
-
-
-def _mean_fn(comm: compression.Comm | None) -> Callable[[Any], Any]:
-  return _local.identity if comm is None else comm.pmean
 
 
 def _sync_params(outer: optax.GradientTransformation | None,
