@@ -123,6 +123,28 @@ def static(value: Any, name: str, *,
   return value
 
 
+def is_traced(value: Any) -> bool:
+  """Whether ``value`` is traced (e.g. a hyperparameter under
+  ``optax.inject_hyperparams`` inside ``jit``): checks of concrete values
+  skip it, as its value is not known."""
+  return _is_traced(value)
+
+
+def positive_or_inf(value: Any, name: str) -> float:
+  """``value`` as a float if it is ``> 0``, ``inf`` included (e.g. a
+  threshold that never binds)."""
+  if isinstance(value, bool) or _is_traced(value):
+    raise ValueError(f'{name} must be a positive number, got {value!r}')
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f'{name} must be a positive number, got {value!r}') from None
+  if not number > 0:
+    raise ValueError(f'{name} must be positive, got {value!r}')
+  return number
+
+
 def _real(value: Any, name: str) -> float:
   if isinstance(value, bool) or _is_traced(value):
     raise ValueError(f'{name} must be a real number, got {value!r}')

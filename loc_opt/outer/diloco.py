@@ -15,6 +15,7 @@ References:
 """
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -22,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-from loc_opt.outer import plan as plan_lib
+from loc_opt.outer import _local
 
 SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
 
@@ -55,27 +57,14 @@ class DilocoState(NamedTuple):
 def _check_sync_every(sync_every: SyncEvery) -> None:
   """Validates a concrete sync period; traced values (inject_hyperparams)
   and schedules are checked where they are used."""
-  if callable(sync_every) or isinstance(sync_every, jax.core.Tracer):
+  if callable(sync_every) or _checks.is_traced(sync_every):
     return
-  if isinstance(sync_every, bool):
+  value = np.asarray(sync_every)
+  if (isinstance(sync_every, bool) or value.ndim
+      or not np.issubdtype(value.dtype, np.integer)):
     raise TypeError(
         f'sync_every must be an int or a schedule, got {sync_every!r}')
-  value = np.asarray(sync_every)
-  if value.ndim or not np.issubdtype(value.dtype, np.integer):
-    raise TypeError(
-        f'sync_every must be an int or a schedule, got {sync_every!r}'
-    )
-  if int(value) <= 0:
-    raise ValueError(f'sync_every must be a positive int, got {int(value)}')
-
-
-def init_anchor(params: optax.Params, anchor_dtype: Any = jnp.float32
-                ) -> optax.Params:
-  """The outer parameters at initialisation: a copy of ``params`` in at
-  least ``anchor_dtype`` (``promote_types(param dtype, anchor_dtype)``)."""
-  return jax.tree.map(
-      lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, anchor_dtype)),
-      params)
+  _checks.positive_int(sync_every, 'sync_every', arrays=True)
 
 
 def sync_period(sync_every: SyncEvery, count: jax.Array) -> jax.Array:
@@ -83,17 +72,6 @@ def sync_period(sync_every: SyncEvery, count: jax.Array) -> jax.Array:
   if callable(sync_every):
     return jnp.maximum(jnp.asarray(sync_every(count), jnp.int32), 1)
   return jnp.asarray(sync_every, jnp.int32)
-
-
-def nesterov_outer(
-    learning_rate: float = 0.7, momentum: float = 0.9
-) -> optax.GradientTransformation:
-  """The DiLoCo outer optimizer: SGD with Nesterov momentum (lr 0.7, mu 0.9).
-
-  ``v <- mu v + g;  phi <- phi - lr (g + mu v)``, as ``optax.sgd(...,
-  nesterov=True)``.
-  """
-  return optax.sgd(learning_rate, momentum=momentum, nesterov=True)
 
 
 def diloco(
@@ -174,7 +152,7 @@ def diloco(
   """
   _check_sync_every(sync_every)
   inner = optax.with_extra_args_support(inner)
-  outer = nesterov_outer() if outer is None else outer
+  outer = _local.nesterov_outer() if outer is None else outer
   if codec is not None and reduce_fn is not None:
     raise ValueError('diloco takes a codec or a reduce_fn, not both')
   if codec is not None and axis_name is None:
@@ -182,76 +160,33 @@ def diloco(
   compressor = None if codec is None else compression.as_compressor(codec)
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    return DilocoState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        outer_state=outer.init(anchor),
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-        codec_state=() if compressor is None else compressor.init(anchor),
-    )
+  init_fn = _local.periodic_init(
+      DilocoState, inner, anchor_dtype, lambda anchor: dict(
+          outer_state=outer.init(anchor),
+          codec_state=() if compressor is None else compressor.init(anchor)))
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('diloco needs params: call update(updates, state, '
-                       'params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args
-    )
+  if reduce_fn is not None:
+    mean_fn = reduce_fn
+  elif axis_name is not None:
+    mean_fn = functools.partial(jax.lax.pmean, axis_name=axis_name)
+  else:
+    mean_fn = _local.identity
 
-    def outer_step(_):
-      local = optax.apply_updates(params, inner_updates)
-      delta = jax.tree.map(
-          lambda a, x: a - x.astype(a.dtype), state.anchor, local
-      )
-      codec_state = state.codec_state
-      if compressor is not None:
-        key = jax.random.fold_in(jax.random.key(codec_seed), state.num_syncs)
-        mean, _, codec_state = compressor.mean(delta, codec_state, comm, key)
-        # e.g. PowerSGD's all-reduced query: typed like the per-worker state
-        codec_state = comm.varying(codec_state)
-        delta = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
-      elif reduce_fn is not None:
-        delta = reduce_fn(delta)
-      elif axis_name is not None:
-        delta = jax.lax.pmean(delta, axis_name)
-      outer_updates, outer_state = outer.update(
-          delta, state.outer_state, state.anchor
-      )
-      anchor = optax.apply_updates(state.anchor, outer_updates)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params
-      )
-      return (new_updates, anchor, outer_state, codec_state,
-              jnp.ones([], jnp.int32))
+  def sync_step(state, params, local, _):
+    delta, _, codec_state = _local.worker_mean(
+        _local.pseudo_gradient(state.anchor, local), state.codec_state,
+        compressor=compressor, comm=comm, seed=codec_seed,
+        index=state.num_syncs, mean_fn=mean_fn)
+    outer_updates, outer_state = outer.update(
+        delta, state.outer_state, state.anchor)
+    anchor = optax.apply_updates(state.anchor, outer_updates)
+    return _local.updates_to(anchor, params), dict(
+        anchor=anchor, outer_state=outer_state, codec_state=codec_state)
 
-    def inner_only(_):
-      return (inner_updates, state.anchor, state.outer_state,
-              state.codec_state, jnp.zeros([], jnp.int32))
-
-    out = plan_lib.branch(
-        sync,
-        lambda: state.steps_since_sync + 1 >= sync_period(sync_every,
-                                                          state.count),
-        lambda: outer_step(None), lambda: inner_only(None))
-    new_updates, anchor, outer_state, codec_state, synced = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = DilocoState(
-        inner_state=inner_state,
-        anchor=anchor,
-        outer_state=outer_state,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-        codec_state=codec_state,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='diloco', sync_step=sync_step,
+      fields=('anchor', 'outer_state', 'codec_state'),
+      varying=_local.varying_fn(comm), period=sync_period)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -293,7 +228,7 @@ def diloco_eval_params(state: DilocoState, params: optax.Params) -> Any:
   Between syncs the workers' local parameters drift apart; the anchor is the
   one shared model (Streaming DiLoCo, Table 3, finds it evaluates best).
   """
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def next_step_syncs(
@@ -306,15 +241,4 @@ def next_step_syncs(
   """
   period = int(sync_period(sync_every, jnp.asarray(count, jnp.int32)))
   return steps_since_sync + 1 >= period
-
-
-def pseudo_gradient_bytes(
-    params: Any, dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None) -> int:
-  """Bytes one worker sends per sync: its pseudo-gradient at ``dtype``, or
-  the payload of ``codec`` when given."""
-  if codec is not None:
-    return compression.as_compressor(codec).payload_bytes(params)
-  size = sum(int(x.size) for x in jax.tree.leaves(params))
-  return size * jnp.dtype(dtype).itemsize
 

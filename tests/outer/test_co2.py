@@ -1,7 +1,5 @@
 """Tests of CO2: local SGD equivalence, hand-computed stale trace, bytes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,16 +7,15 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
-from loc_opt.outer import stale_overlap as so
+from loc_opt import outer
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def make_co2(learning_rate):
-  return so.co2(optax.adam(learning_rate), sync_every=3, axis_name=None)
+  return outer.co2(optax.adam(learning_rate), sync_every=3, axis_name=None)
 
 
 def test_conformance(tmp_path):
@@ -26,17 +23,17 @@ def test_conformance(tmp_path):
 
 
 def test_fresh_plain_outer_is_local_sgd():
-  tx = so.co2(optax.adam(1e-2), sync_every=3, stale=False, momentum=0.0,
-              staleness_penalty=1.0, outer_lr=1.0, clip=None)
-  got, state = td.run_workers(tx, 8)
-  want, _ = td.run_workers(loc_opt.local_sgd(optax.adam(1e-2), sync_every=3),
-                           8)
+  tx = outer.co2(optax.adam(1e-2), sync_every=3, stale=False, momentum=0.0,
+                 staleness_penalty=1.0, outer_lr=1.0, clip=None)
+  got, state = helpers.run_workers(tx, 8)
+  want, _ = helpers.run_workers(
+      loc_opt.local_sgd(optax.adam(1e-2), sync_every=3), 8)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
   assert int(state.num_syncs[0]) == 2
   # Between syncs the workers differ; the anchor is the last average.
   assert not np.allclose(got['w'][0], got['w'][1])
-  p6, _ = td.run_workers(tx, 6)
-  conf.assert_trees_close(so.co2_eval_params(state, got), p6, rtol=1e-6,
+  p6, _ = helpers.run_workers(tx, 6)
+  conf.assert_trees_close(outer.co2_eval_params(state, got), p6, rtol=1e-6,
                           atol=1e-6)
 
 
@@ -51,15 +48,9 @@ GRADS = (jnp.array([[1.0, 0.0], [3.0, 2.0]]),   # gbar_1 = [2, 1]
 def three_rounds(**kw):
   kw = dict(outer_lr=0.5, momentum=0.5, staleness_penalty=2.0, clip=None,
             sync_every=2) | kw
-  tx = so.co2(optax.sgd(0.5), **kw)
-
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(TH0, 2)
+  tx = outer.co2(optax.sgd(0.5), **kw)
+  step = helpers.grads_step(tx)
+  params = helpers.stack(TH0, 2)
   state = jax.vmap(tx.init)(params)
   out = []
   for grads in GRADS:
@@ -107,25 +98,17 @@ def test_fresh_trace_by_hand():
 
 
 def test_plan_matches_cond_program():
-  tx = so.co2(optax.adam(1e-2), sync_every=3, clip=0.01)
-  plan = so.co2_plan(3)
-
-  params, state, programs = td.run_planned(tx, plan, 9)
-  assert set(programs) == {False, True}
-  want, want_state = td.run_workers(tx, 9)
-  conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
-  conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
+  tx = outer.co2(optax.adam(1e-2), sync_every=3, clip=0.01)
+  state = helpers.check_plan_matches_cond(tx, outer.co2_plan(3), 9)
   assert int(state.num_syncs[0]) == 3
   # The clip bound the momentum somewhere.
   assert np.max(np.abs(state.outer_momentum['w'])) == pytest.approx(0.01)
 
 
 def test_shard_map_runner_matches_vmap_runner():
-  mesh = parallel.make_worker_mesh(M, data=2)
-  tx = so.co2(optax.adam(1e-2), sync_every=2)
-  want, _ = td.run_workers(tx, 6)
-  got, _ = td.run_workers(
-      tx, 6, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
+  tx = outer.co2(optax.adam(1e-2), sync_every=2)
+  want, _ = helpers.run_workers(tx, 6)
+  got, _ = helpers.run_sharded(tx, 6)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -133,36 +116,24 @@ def test_bad_arguments_raise():
   sgd = optax.sgd(0.1)
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match='sync_every'):
-      so.co2(sgd, sync_every=bad)
+      outer.co2(sgd, sync_every=bad)
   cases = dict(outer_lr=[0.0, -1.0], momentum=[-0.1, 1.0],
                staleness_penalty=[0.0, -2.0], clip=[0.0, -1.0])
   for name, values in cases.items():
     for bad in values:
       with pytest.raises(ValueError, match=name):
-        so.co2(sgd, sync_every=2, **{name: bad})
+        outer.co2(sgd, sync_every=2, **{name: bad})
   tx = make_co2(0.1)
   params = conf.example_params()
   with pytest.raises(ValueError, match='sync'):
     tx.update(params, tx.init(params), params, sync='yes')
   with pytest.raises(ValueError, match='sync_every'):
-    so.co2_plan(-3)
+    outer.co2_plan(-3)
 
 
 def test_hlo_bytes():
-  mesh = parallel.make_worker_mesh(M, data=2)
-  tx = so.co2(optax.sgd(0.1), sync_every=3)
-  params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-
-  def report(sync):
-    return td.phase_report(tx, params, sync, mesh)
-
-  theory = so.co2_bytes(jax.tree.map(lambda x: x[0], params))
+  tx = outer.co2(optax.sgd(0.1), sync_every=3)
+  params = helpers.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
+  theory = outer.co2_bytes(helpers.worker(params, 0))
   assert theory == 4 * (512 + 16)
-  assert report(False).cross_worker_bytes_range == (0, 0)
-  np.testing.assert_allclose(report(True).cross_worker_bytes_per_worker,
-                             theory, rtol=0.1)
-  cond = report(None)
-  assert cond.cross_worker_bytes == 0
-  (branches,) = cond.branches.values()
-  assert sorted(branches)[0] == 0
-  np.testing.assert_allclose(sorted(branches)[1] / M, theory, rtol=0.1)
+  helpers.check_two_phase_bytes(tx, params, theory)

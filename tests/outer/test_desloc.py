@@ -1,4 +1,4 @@
-"""Tests of loc_opt.outer.desynced: DES-LOC, Local Adam and MT-DAO."""
+"""Tests of loc_opt.outer.desloc: DES-LOC, Local Adam and MT-DAO."""
 
 import functools
 
@@ -8,11 +8,13 @@ import numpy as np
 import optax
 import pytest
 
+from loc_opt import outer
 from loc_opt import parallel
-from loc_opt.outer import desynced
+from loc_opt.outer.desloc import find_state_field
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def params16():
@@ -21,44 +23,18 @@ def params16():
           'b': 0.1 * jax.random.normal(k2, (8,))}
 
 
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
-
-
-def worker_batches(step, m=M):
-  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def train_step(tx, sync=None):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 def run_workers(tx, steps, m=M, runner=parallel.vmap_workers, keep=()):
   """Trains m workers with tx (sync=None); returns (stacked params, state),
   or with ``keep`` a dict ``{steps taken: (params, state)}`` of those."""
-  fn = jax.jit(runner(train_step(tx)))
-  params = stack(params16(), m)
+  fn = jax.jit(runner(helpers.train_step(tx)))
+  params = helpers.stack(params16(), m)
   state = jax.vmap(tx.init)(params)
   kept = {}
   for i in range(steps):
-    params, state = fn(params, state, worker_batches(i, m))
+    params, state = fn(params, state, helpers.wide_batches(i, m))
     if i + 1 in keep:
       kept[i + 1] = (params, state)
   return kept if keep else (params, state)
-
-
-def worker(tree, m):
-  return jax.tree.map(lambda x: x[m], tree)
 
 
 def adam_mu_nu(state):
@@ -73,9 +49,9 @@ def adam_mu_nu(state):
 def make_desloc(learning_rate):
   # Syncs params every step, mu every 2 and nu every 3: the conformance
   # runs (3 to 5 steps) cross every kind of sync, through an outer optimizer.
-  return desynced.desloc(optax.adam(learning_rate), sync_every=1,
-                         state_sync_every={'mu': 2, 'nu': 3},
-                         outer=optax.sgd(0.5, 0.9), axis_name=None)
+  return outer.desloc(optax.adam(learning_rate), sync_every=1,
+                      state_sync_every={'mu': 2, 'nu': 3},
+                      outer=optax.sgd(0.5, 0.9), axis_name=None)
 
 
 def test_conformance(tmp_path):
@@ -89,17 +65,17 @@ def test_equal_periods_are_local_adam_written_out():
   """K_x = K_u = K_v = 3 equals hand-written Local Adam over 2+ rounds; so
   do local_adam and MT-DAO with one slow momentum of weight 1."""
   lr, b1, b2, eps, k, steps = 1e-2, 0.9, 0.99, 1e-8, 3, 8
-  tx = desynced.desloc(optax.adam(lr, b1, b2, eps), sync_every=k,
-                       state_sync_every={'mu': k, 'nu': k})
+  tx = outer.desloc(optax.adam(lr, b1, b2, eps), sync_every=k,
+                    state_sync_every={'mu': k, 'nu': k})
   got, state = run_workers(tx, steps)
 
   # Each worker: plain Adam in NumPy; every k steps average x, m and v.
-  p = jax.tree.map(np.asarray, stack(params16()))
+  p = jax.tree.map(np.asarray, helpers.stack(params16()))
   mom = jax.tree.map(np.zeros_like, p)
   vel = jax.tree.map(np.zeros_like, p)
-  grad = jax.jit(jax.vmap(jax.grad(loss)))
+  grad = jax.jit(jax.vmap(jax.grad(helpers.quad_loss)))
   for t in range(1, steps + 1):
-    g = jax.tree.map(np.asarray, grad(p, worker_batches(t - 1)))
+    g = jax.tree.map(np.asarray, grad(p, helpers.wide_batches(t - 1)))
     mom = jax.tree.map(lambda a, x: b1 * a + (1 - b1) * x, mom, g)
     vel = jax.tree.map(lambda a, x: b2 * a + (1 - b2) * x * x, vel, g)
     p = jax.tree.map(
@@ -116,10 +92,10 @@ def test_equal_periods_are_local_adam_written_out():
   assert int(state.num_syncs[0]) == steps // k
 
   alias, _ = run_workers(
-      desynced.local_adam(optax.adam(lr, b1, b2, eps), sync_every=k), steps)
+      outer.local_adam(optax.adam(lr, b1, b2, eps), sync_every=k), steps)
   conf.assert_trees_close(alias, got, rtol=0, atol=0)
   # MT-DAO with one slow momentum of weight 1 is Local Adam too.
-  mt_dao, mt_state = run_workers(desynced.mt_dao(
+  mt_dao, mt_state = run_workers(outer.mt_dao(
       lr, sync_every=k, slow_betas=(b1,), slow_weights=(1.0,), b2=b2,
       eps=eps), steps)
   conf.assert_trees_close(mt_dao, got, rtol=1e-6, atol=1e-7)
@@ -128,14 +104,14 @@ def test_equal_periods_are_local_adam_written_out():
 
 def test_outer_sgd_one_equals_plain_averaging():
   kwargs = dict(sync_every=2, state_sync_every={'mu': 4, 'nu': 6})
-  plain, s1 = run_workers(desynced.desloc(optax.adam(1e-2), **kwargs), 12)
+  plain, s1 = run_workers(outer.desloc(optax.adam(1e-2), **kwargs), 12)
   sgd, s2 = run_workers(
-      desynced.desloc(optax.adam(1e-2), outer=optax.sgd(1.0), **kwargs), 12)
+      outer.desloc(optax.adam(1e-2), outer=optax.sgd(1.0), **kwargs), 12)
   conf.assert_trees_close(plain, sgd, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(s1.inner_state, s2.inner_state, rtol=1e-6,
                           atol=1e-7)
   # A real outer optimizer does move elsewhere.
-  nesterov, _ = run_workers(desynced.desloc(
+  nesterov, _ = run_workers(outer.desloc(
       optax.adam(1e-2), outer=optax.sgd(0.7, 0.9, nesterov=True), **kwargs),
                             12)
   assert not np.allclose(nesterov['w'], plain['w'], atol=1e-4)
@@ -143,22 +119,24 @@ def test_outer_sgd_one_equals_plain_averaging():
 
 def test_one_worker_is_the_inner_optimizer():
   inner = optax.adam(1e-2)
-  got, _ = run_workers(desynced.desloc(inner, sync_every=2), 6, m=1)
+  got, _ = run_workers(outer.desloc(inner, sync_every=2), 6, m=1)
   want, state = params16(), inner.init(params16())
 
   @jax.jit
   def step(params, state, batch):
-    u, state = inner.update(jax.grad(loss)(params, batch), state, params)
+    u, state = inner.update(jax.grad(helpers.quad_loss)(params, batch), state,
+                            params)
     return optax.apply_updates(params, u), state
 
   for i in range(6):
-    want, state = step(want, state, worker(worker_batches(i, 1), 0))
-  conf.assert_trees_close(worker(got, 0), want, rtol=1e-6, atol=1e-7)
+    want, state = step(want, state,
+                       helpers.worker(helpers.wide_batches(i, 1), 0))
+  conf.assert_trees_close(helpers.worker(got, 0), want, rtol=1e-6, atol=1e-7)
 
 
 def test_each_state_is_averaged_only_when_due():
-  tx = desynced.desloc(optax.adam(1e-2), sync_every=2,
-                       state_sync_every={'mu': 4, 'nu': 8})
+  tx = outer.desloc(optax.adam(1e-2), sync_every=2,
+                    state_sync_every={'mu': 4, 'nu': 8})
 
   def spread(tree):
     return max(float(np.abs(x - x[:1]).max()) for x in jax.tree.leaves(tree))
@@ -179,11 +157,11 @@ def test_each_state_is_averaged_only_when_due():
 def test_state_outside_its_period_follows_the_inner_rule():
   """On a params-only sync step, mu and nu follow Adam's rule from each
   worker's own previous state (they are not averaged)."""
-  tx = desynced.desloc(optax.adam(1e-2, b1=0.9, b2=0.99), sync_every=2,
-                       state_sync_every={'mu': 4, 'nu': 4})
+  tx = outer.desloc(optax.adam(1e-2, b1=0.9, b2=0.99), sync_every=2,
+                    state_sync_every={'mu': 4, 'nu': 4})
   snaps = run_workers(tx, 2, keep=(1, 2))
   params, state = snaps[1]
-  g = jax.vmap(jax.grad(loss))(params, worker_batches(1))
+  g = jax.vmap(jax.grad(helpers.quad_loss))(params, helpers.wide_batches(1))
   mu0, nu0 = adam_mu_nu(state)
   _, state = snaps[2]  # count 1: params only
   mu1, nu1 = adam_mu_nu(state)
@@ -195,51 +173,51 @@ def test_state_outside_its_period_follows_the_inner_rule():
 
 
 def test_eval_params_are_the_last_synced_mean():
-  tx = desynced.desloc(optax.adam(1e-2), sync_every=3)
+  tx = outer.desloc(optax.adam(1e-2), sync_every=3)
   snaps = run_workers(tx, 4, keep=(3, 4))
   params, state = snaps[3]
-  ev = jax.vmap(desynced.desloc_eval_params)(state, params)
+  ev = jax.vmap(outer.desloc_eval_params)(state, params)
   conf.assert_trees_close(ev, params, rtol=0, atol=1e-6)  # one rounding
   more, state = snaps[4]
   conf.assert_trees_close(
-      jax.vmap(desynced.desloc_eval_params)(state, more), ev, rtol=0, atol=0)
+      jax.vmap(outer.desloc_eval_params)(state, more), ev, rtol=0, atol=0)
   assert not np.allclose(more['w'], params['w'], atol=1e-4)
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params16())
   state = tx.init(bf16)
   assert state.anchor['w'].dtype == jnp.float32
-  assert desynced.desloc_eval_params(state, bf16)['w'].dtype == jnp.bfloat16
+  assert outer.desloc_eval_params(state, bf16)['w'].dtype == jnp.bfloat16
 
 
 # ------------------------------------------------------------------ plan ---
 
 
 def test_plan_phases():
-  plan = desynced.desloc_plan(2, {'mu': 4, 'nu': 8})
+  plan = outer.desloc_plan(2, {'mu': 4, 'nu': 8})
   assert [plan(c) for c in range(8)] == [
       False, ('params',), False, ('mu', 'params'), False, ('params',), False,
       ('mu', 'nu', 'params')]
-  default = desynced.desloc_plan(2)  # K_u = 6, K_v = 12
+  default = outer.desloc_plan(2)  # K_u = 6, K_v = 12
   assert default(5) == ('mu', 'params') and default(11) == (
       'mu', 'nu', 'params')
   assert default.num_syncs(0, 12) == 6
-  assert desynced.desloc_plan(3, {'slow': 3, 'nu': 3})(2) == (
+  assert outer.desloc_plan(3, {'slow': 3, 'nu': 3})(2) == (
       'nu', 'params', 'slow')
 
 
 def test_plan_programs_equal_cond_program():
   periods = {'mu': 4, 'nu': 6}
-  tx = desynced.desloc(optax.adam(1e-2), sync_every=2,
-                       state_sync_every=periods)
-  plan = desynced.desloc_plan(2, periods)
+  tx = outer.desloc(optax.adam(1e-2), sync_every=2,
+                    state_sync_every=periods)
+  plan = outer.desloc_plan(2, periods)
   steps = 12
-  programs = {ph: jax.jit(parallel.vmap_workers(train_step(tx, ph)))
+  programs = {ph: jax.jit(parallel.vmap_workers(helpers.train_step(tx, ph)))
               for ph in plan.phases(steps)}
   assert len(programs) == 5
-  params = stack(params16())
+  params = helpers.stack(params16())
   state = jax.vmap(tx.init)(params)
   for count in range(steps):
     params, state = programs[plan(count)](params, state,
-                                          worker_batches(count))
+                                          helpers.wide_batches(count))
   want, want_state = run_workers(tx, steps)
   # The same arithmetic; XLA may fuse the separately compiled programs
   # differently (1 ulp, seen even on inner steps).
@@ -252,11 +230,11 @@ def test_plan_programs_equal_cond_program():
 
 
 def test_missing_field_raises():
-  tx = desynced.desloc(optax.sgd(0.1, momentum=0.9), sync_every=2)
+  tx = outer.desloc(optax.sgd(0.1, momentum=0.9), sync_every=2)
   with pytest.raises(ValueError, match="'mu'"):
     tx.init(params16())
-  tx = desynced.desloc(optax.adam(0.1), sync_every=2,
-                       state_sync_every={'mu': 2, 'momentum': 4})
+  tx = outer.desloc(optax.adam(0.1), sync_every=2,
+                    state_sync_every={'mu': 2, 'momentum': 4})
   with pytest.raises(ValueError, match="'momentum'"):
     tx.init(params16())
 
@@ -265,30 +243,30 @@ def test_adopt_and_chained_states_are_found():
   for inner in (optax.contrib.adopt(1e-3),
                 optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
                 optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)):
-    state = desynced.desloc(inner, sync_every=2).init(params16())
-    assert len(desynced.find_state_field(state.inner_state, 'nu')) == 1
+    state = outer.desloc(inner, sync_every=2).init(params16())
+    assert len(find_state_field(state.inner_state, 'nu')) == 1
 
 
 @pytest.mark.parametrize('bad', [0, -2, 2.5, True, None, float('inf')])
 def test_bad_sync_every_raises(bad):
   with pytest.raises(ValueError, match='sync_every'):
-    desynced.desloc(optax.adam(0.1), sync_every=bad)
+    outer.desloc(optax.adam(0.1), sync_every=bad)
   with pytest.raises(ValueError, match='sync_every'):
-    desynced.desloc_plan(bad)
+    outer.desloc_plan(bad)
 
 
 @pytest.mark.parametrize('bad', [0, -6, None, float('inf'), 6.0])
 def test_bad_state_period_raises(bad):
   with pytest.raises(ValueError, match="'nu'"):
-    desynced.desloc(optax.adam(0.1), sync_every=2,
-                    state_sync_every={'mu': 6, 'nu': bad})
+    outer.desloc(optax.adam(0.1), sync_every=2,
+                 state_sync_every={'mu': 6, 'nu': bad})
   if bad is not None:  # None: mt_dao's default, K_v = K_x
     with pytest.raises(ValueError, match='nu_sync_every'):
-      desynced.mt_dao(0.1, sync_every=2, nu_sync_every=bad)
+      outer.mt_dao(0.1, sync_every=2, nu_sync_every=bad)
 
 
 def test_bad_phase_raises():
-  tx = desynced.desloc(optax.adam(0.1), sync_every=2)
+  tx = outer.desloc(optax.adam(0.1), sync_every=2)
   params = params16()
   state = tx.init(params)
   with pytest.raises(ValueError, match='sync'):
@@ -296,8 +274,8 @@ def test_bad_phase_raises():
   with pytest.raises(ValueError, match='sync'):
     tx.update(params, state, params, sync=True)
   with pytest.raises(ValueError, match='state_sync_every'):
-    desynced.desloc(optax.adam(0.1), sync_every=2,
-                    state_sync_every={'params': 2})
+    outer.desloc(optax.adam(0.1), sync_every=2,
+                 state_sync_every={'params': 2})
 
 
 # ------------------------------------------------------------ on a mesh ---
@@ -309,9 +287,9 @@ def mesh():
 
 
 def test_shard_map_matches_vmap(mesh):
-  tx = desynced.desloc(optax.adam(1e-2), sync_every=2,
-                       state_sync_every={'mu': 4, 'nu': 4},
-                       outer=optax.sgd(0.7, 0.9, nesterov=True))
+  tx = outer.desloc(optax.adam(1e-2), sync_every=2,
+                    state_sync_every={'mu': 4, 'nu': 4},
+                    outer=optax.sgd(0.7, 0.9, nesterov=True))
   want, want_state = run_workers(tx, 5)
   got, state = run_workers(
       tx, 5, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
@@ -322,8 +300,8 @@ def test_shard_map_matches_vmap(mesh):
 
 
 def test_hlo_bytes_per_phase(mesh):
-  tx = desynced.desloc(optax.adam(1e-2), sync_every=2)
-  params = stack(params16())
+  tx = outer.desloc(optax.adam(1e-2), sync_every=2)
+  params = helpers.stack(params16())
   state = jax.vmap(tx.init)(params)
   one = jax.eval_shape(tx.init, params16())
   n = 16 * 8 + 8
@@ -331,18 +309,18 @@ def test_hlo_bytes_per_phase(mesh):
 
   def bytes_of(phase):
     compiled = jax.jit(parallel.shard_map_workers(
-        train_step(tx, phase), mesh)).lower(
-            params, state, worker_batches(0)).compile()
+        helpers.train_step(tx, phase), mesh)).lower(
+            params, state, helpers.wide_batches(0)).compile()
     return parallel.collective_bytes(compiled, mesh)
 
   assert bytes_of(False).cross_worker_bytes == 0
   for phase, payloads in [(('params',), 1), (('mu', 'params'), 2),
                           (('mu', 'nu', 'params'), 3)]:
-    theory = desynced.desloc_phase_bytes(one, phase)
+    theory = outer.desloc_phase_bytes(one, phase)
     assert theory == payloads * payload
     sent = bytes_of(phase).cross_worker_bytes_per_worker
     assert 0.9 * theory <= sent <= 1.1 * theory, (phase, sent, theory)
-  assert desynced.desloc_phase_bytes(one, False) == 0
+  assert outer.desloc_phase_bytes(one, False) == 0
 
   # sync=None: one lax.cond per synced quantity, nothing unconditional.
   report = bytes_of(None)

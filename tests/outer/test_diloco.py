@@ -11,8 +11,9 @@ import pytest
 import loc_opt
 from loc_opt import parallel
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def make_diloco(learning_rate, sync_every=3):
@@ -41,80 +42,15 @@ def test_inject_hyperparams_on_inner():
   conf.assert_trees_close(jax.tree.map(lambda x: 3 * x, u1), u2)
 
 
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def quad_loss(params, batch):
-  x, y = batch
-  pred = jnp.tanh(x @ params['w']) + params['b']
-  return jnp.mean((pred - y) ** 2)
-
-
-def worker_batches(step, m=M):
-  key = jax.random.fold_in(jax.random.key(42), step)
-  kx, ky = jax.random.split(key)
-  return (jax.random.normal(kx, (m, 8, 4)), jax.random.normal(ky, (m, 8, 3)))
-
-
-def run_workers(tx, steps, m=M, runner=None):
-  """Trains m workers with tx under vmap; returns (stacked params, state)."""
-
-  def step(params, state, batch):
-    grads = jax.grad(quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  runner = runner or parallel.vmap_workers
-  fn = jax.jit(runner(step))
-  params = stack(conf.example_params(), m)
-  state = jax.vmap(tx.init)(params)
-  for i in range(steps):
-    params, state = fn(params, state, worker_batches(i, m))
-  return params, state
-
-
-def run_planned(tx, plan, steps, m=M):
-  """As :func:`run_workers`, but each step runs the program of its phase
-  (``sync=plan(count)``); returns (stacked params, state, the programs)."""
-
-  def step(params, state, batch, sync):
-    grads = jax.grad(quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  programs = {s: jax.jit(parallel.vmap_workers(functools.partial(
-      step, sync=s))) for s in plan.phases(steps)}
-  params = stack(conf.example_params(), m)
-  state = jax.vmap(tx.init)(params)
-  for i in range(steps):
-    params, state = programs[plan(i)](params, state, worker_batches(i, m))
-  return params, state, programs
-
-
-def phase_report(tx, params, sync, mesh):
-  """Collectives of one compiled step of ``tx`` with phase ``sync`` on
-  ``mesh`` (stacked ``params``; the gradients are shaped like them)."""
-  state = jax.eval_shape(jax.vmap(tx.init), params)
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, params).compile()
-  return parallel.collective_bytes(compiled, mesh)
-
-
 def test_one_worker_plain_outer_equals_inner_alone():
   inner = optax.adam(1e-2)
   tx = loc_opt.diloco(inner, sync_every=3, outer=optax.sgd(1.0))
-  got, state = run_workers(tx, 10, m=1)
+  got, state = helpers.run_workers(tx, 10, m=1)
   want = conf.example_params()
   inner_state = inner.init(want)
   for i in range(10):
-    batch = jax.tree.map(lambda x: x[0], worker_batches(i, 1))
-    g = jax.grad(quad_loss)(want, batch)
+    batch = jax.tree.map(lambda x: x[0], helpers.worker_batches(i, 1))
+    g = jax.grad(helpers.quad_loss)(want, batch)
     u, inner_state = inner.update(g, inner_state, want)
     want = optax.apply_updates(want, u)
   conf.assert_trees_close(jax.tree.map(lambda x: x[0], got), want)
@@ -124,31 +60,31 @@ def test_one_worker_plain_outer_equals_inner_alone():
 def test_plain_outer_is_parameter_averaging():
   inner = optax.adam(1e-2)
   tx = loc_opt.diloco(inner, sync_every=4, outer=optax.sgd(1.0))
-  got, _ = run_workers(tx, 4)
+  got, _ = helpers.run_workers(tx, 4)
   # Each worker alone for 4 steps, then average the parameters.
   finals = []
   for m in range(M):
     p = conf.example_params()
     s = inner.init(p)
     for i in range(4):
-      batch = jax.tree.map(lambda x: x[m], worker_batches(i))
-      u, s = inner.update(jax.grad(quad_loss)(p, batch), s, p)
+      batch = jax.tree.map(lambda x: x[m], helpers.worker_batches(i))
+      u, s = inner.update(jax.grad(helpers.quad_loss)(p, batch), s, p)
       p = optax.apply_updates(p, u)
     finals.append(p)
   want = jax.tree.map(lambda *xs: sum(xs) / M, *finals)
   for m in range(M):
     conf.assert_trees_close(jax.tree.map(lambda x: x[m], got), want)
-  alias, _ = run_workers(loc_opt.local_sgd(inner, sync_every=4), 4)
+  alias, _ = helpers.run_workers(loc_opt.local_sgd(inner, sync_every=4), 4)
   conf.assert_trees_close(alias, got, rtol=0, atol=0)
 
 
 def test_sync_every_step_with_sgd_is_data_parallel_sgd():
   tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(1.0))
-  got, _ = run_workers(tx, 5)
+  got, _ = helpers.run_workers(tx, 5)
   want = conf.example_params()
   for i in range(5):
-    grads = jax.vmap(jax.grad(quad_loss), in_axes=(None, 0))(
-        want, worker_batches(i))
+    grads = jax.vmap(jax.grad(helpers.quad_loss), in_axes=(None, 0))(
+        want, helpers.worker_batches(i))
     mean = jax.tree.map(lambda g: g.mean(0), grads)
     want = jax.tree.map(lambda p, g: p - 0.1 * g, want, mean)
   for m in range(M):
@@ -166,7 +102,7 @@ def test_nesterov_outer_step_arithmetic():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  params = stack({'w': jnp.zeros((3,))})
+  params = helpers.stack({'w': jnp.zeros((3,))})
   state = jax.vmap(tx.init)(params)
   params, state = jax.jit(parallel.vmap_workers(step))(params, state)
   np.testing.assert_allclose(params['w'], -1.33, rtol=1e-6)
@@ -175,10 +111,10 @@ def test_nesterov_outer_step_arithmetic():
 
 def test_pseudo_gradient_sign_moves_anchor_toward_workers():
   tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3, outer=optax.sgd(0.5))
-  before = stack(conf.example_params())
-  local, _ = run_workers(loc_opt.diloco(optax.adam(1e-2), sync_every=10**6),
-                         3)
-  got, state = run_workers(tx, 3)
+  before = helpers.stack(conf.example_params())
+  local, _ = helpers.run_workers(
+      loc_opt.diloco(optax.adam(1e-2), sync_every=10**6), 3)
+  got, state = helpers.run_workers(tx, 3)
   mean_local = jax.tree.map(lambda x: x.mean(0), local)
   # lr 0.5: the anchor moves halfway from the start to the workers' mean.
   want = jax.tree.map(lambda b, l: 0.5 * b[0] + 0.5 * l, before, mean_local)
@@ -188,9 +124,9 @@ def test_pseudo_gradient_sign_moves_anchor_toward_workers():
 
 def test_workers_identical_after_sync_and_distinct_between():
   tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
-  p2, _ = run_workers(tx, 2)
+  p2, _ = helpers.run_workers(tx, 2)
   assert not np.allclose(p2['w'][0], p2['w'][1])
-  p3, _ = run_workers(tx, 3)
+  p3, _ = helpers.run_workers(tx, 3)
   for m in range(1, M):
     np.testing.assert_allclose(p3['w'][m], p3['w'][0], atol=1e-7)
 
@@ -199,36 +135,35 @@ def test_static_sync_programs_equal_cond_program():
   tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
 
   def step(params, state, batch, sync):
-    grads = jax.grad(quad_loss)(params, batch)
+    grads = jax.grad(helpers.quad_loss)(params, batch)
     updates, state = tx.update(grads, state, params, sync=sync)
     return optax.apply_updates(params, updates), state
 
   programs = {s: jax.jit(parallel.vmap_workers(
       functools.partial(step, sync=s), in_axes=(0, 0, 0)))
               for s in (True, False)}
-  params = stack(conf.example_params())
+  params = helpers.stack(conf.example_params())
   state = jax.vmap(tx.init)(params)
   for i in range(7):
     sync = loc_opt.outer.next_step_syncs(3, i, i % 3)
-    params, state = programs[sync](params, state, worker_batches(i))
-  want, want_state = run_workers(tx, 7)
+    params, state = programs[sync](params, state, helpers.worker_batches(i))
+  want, want_state = helpers.run_workers(tx, 7)
   conf.assert_trees_close(params, want, rtol=0, atol=0)
   assert int(state.num_syncs[0]) == int(want_state.num_syncs[0]) == 2
 
 
 def test_sync_every_schedule_equals_int():
-  a, _ = run_workers(loc_opt.diloco(optax.adam(1e-2), sync_every=2), 6)
-  b, _ = run_workers(
+  a, _ = helpers.run_workers(
+      loc_opt.diloco(optax.adam(1e-2), sync_every=2), 6)
+  b, _ = helpers.run_workers(
       loc_opt.diloco(optax.adam(1e-2), sync_every=lambda count: 2), 6)
   conf.assert_trees_close(a, b, rtol=0, atol=0)
 
 
 def test_shard_map_runner_matches_vmap_runner():
-  mesh = parallel.make_worker_mesh(M, data=2)
   tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
-  want, _ = run_workers(tx, 5)
-  got, state = run_workers(
-      tx, 5, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
+  want, _ = helpers.run_workers(tx, 5)
+  got, state = helpers.run_sharded(tx, 5)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
   assert state.count.sharding.spec == jax.P('worker')
 
@@ -256,14 +191,14 @@ def test_cond_program_has_the_sync_collective_only_in_one_branch():
   tx = loc_opt.diloco(optax.adam(1e-2), sync_every=3)
 
   def step(params, state, batch):
-    grads = jax.grad(quad_loss)(params, batch)
+    grads = jax.grad(helpers.quad_loss)(params, batch)
     updates, state = tx.update(grads, state, params)  # lax.cond on the count
     return optax.apply_updates(params, updates), state
 
-  params = stack(conf.example_params())
+  params = helpers.stack(conf.example_params())
   state = jax.vmap(tx.init)(params)
   compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, worker_batches(0)).compile()
+      params, state, helpers.worker_batches(0)).compile()
   report = parallel.collective_bytes(compiled, mesh)
   n = sum(x[0].size for x in jax.tree.leaves(params))
   assert report.cross_worker_bytes == 0  # nothing crosses unconditionally

@@ -1,4 +1,4 @@
-"""Tests of NoLoCo (loc_opt.outer.no_allreduce): groups, math, programs."""
+"""Tests of NoLoCo (loc_opt.outer.noloco): groups, math, programs."""
 
 import functools
 
@@ -9,15 +9,13 @@ import optax
 import pytest
 
 import loc_opt
+from loc_opt import outer
 from loc_opt import parallel
-from loc_opt.outer import no_allreduce as nl
+from loc_opt.outer.noloco import noloco_group_ids
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
-
-
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
+M = helpers.M
 
 
 def model_params(m=M):
@@ -27,30 +25,7 @@ def model_params(m=M):
           'b': jax.random.normal(k2, (m, 8))}
 
 
-def loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
-
-
-def batches(step, m=M):
-  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def make_step(tx, sync=None):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 _PROGRAMS = {}
-
-
-@functools.cache
-def worker_mesh():
-  return parallel.make_worker_mesh(M, data=2)
 
 
 def program(tx, sync, params, state, batch, mesh=None):
@@ -59,7 +34,7 @@ def program(tx, sync, params, state, batch, mesh=None):
                 for x in jax.tree.leaves((params, state, batch)))
   key = (tx, sync, mesh, avals)
   if key not in _PROGRAMS:
-    step = make_step(tx, sync)
+    step = helpers.train_step(tx, sync)
     if mesh is None:
       mapped = parallel.vmap_workers(step)
     else:
@@ -74,7 +49,7 @@ def run(tx, steps, params, *, plan=None, phase=None, mesh=None):
   state = jax.vmap(tx.init)(params)
   for i in range(steps):
     sync = plan(i) if plan is not None else phase
-    args = (params, state, batches(i, num_workers))
+    args = (params, state, helpers.wide_batches(i, num_workers))
     compiled = program(tx, sync, *args, mesh)
     if mesh is not None:  # e.g. a sync leaves its output spread over 'data'
       args = jax.device_put(args, compiled.input_shardings[0])
@@ -83,7 +58,7 @@ def run(tx, steps, params, *, plan=None, phase=None, mesh=None):
 
 
 # Shared by several tests, so that they share compiled programs.
-TX = {n: nl.noloco(optax.sgd(0.1), sync_every=2, group_size=n)
+TX = {n: outer.noloco(optax.sgd(0.1), sync_every=2, group_size=n)
       for n in (2, 4)}
 
 
@@ -94,7 +69,7 @@ TX = {n: nl.noloco(optax.sgd(0.1), sync_every=2, group_size=n)
                                  (4, 4)])
 def test_groups_partition_the_workers(m, n):
   for r in range(6):
-    groups = nl.noloco_groups(7, r, m, n)
+    groups = outer.noloco_groups(7, r, m, n)
     assert len(groups) == m // n
     assert all(len(g) == n and list(g) == sorted(g) for g in groups)
     assert sorted(r for g in groups for r in g) == list(range(m))
@@ -106,19 +81,19 @@ def test_groups_follow_the_reference_rule():
   perm = np.asarray(jax.random.permutation(
       jax.random.fold_in(jax.random.key(5), 3), 8))
   want = {tuple(sorted(perm[g::4].tolist())) for g in range(4)}
-  assert set(nl.noloco_groups(5, 3, 8, 2)) == want
+  assert set(outer.noloco_groups(5, 3, 8, 2)) == want
 
 
 @pytest.mark.parametrize('m,n', [(8, 2), (6, 3)])
 def test_device_groups_equal_host_groups_on_every_worker(m, n):
   def ids(round_index):  # one worker's computation, round index traced
-    return nl.noloco_group_ids(11, round_index, m, n)
+    return noloco_group_ids(11, round_index, m, n)
 
   rounds = jnp.arange(5)
   got = jax.jit(jax.vmap(jax.vmap(ids, axis_name='worker'), in_axes=0))(
       jnp.broadcast_to(rounds[:, None], (5, m)))
   for r in range(5):
-    host = nl.noloco_groups(11, r, m, n)
+    host = outer.noloco_groups(11, r, m, n)
     want = np.empty(m, np.int32)
     for g, members in enumerate(host):
       want[list(members)] = g
@@ -127,24 +102,24 @@ def test_device_groups_equal_host_groups_on_every_worker(m, n):
 
 
 def test_rounds_redraw_the_groups():
-  draws = [nl.noloco_groups(0, r, 8, 2) for r in range(12)]
+  draws = [outer.noloco_groups(0, r, 8, 2) for r in range(12)]
   assert len(set(draws)) >= 6
-  assert nl.noloco_groups(0, 0, 8, 2) != nl.noloco_groups(1, 0, 8, 2)
+  assert outer.noloco_groups(0, 0, 8, 2) != outer.noloco_groups(1, 0, 8, 2)
 
 
 def test_group_size_must_divide_workers():
   with pytest.raises(ValueError, match='group_size'):
-    nl.noloco_groups(0, 0, 6, 4)
+    outer.noloco_groups(0, 0, 6, 4)
   with pytest.raises(ValueError, match='group_size'):
-    nl.noloco_plan(5, num_workers=6, group_size=4)
+    outer.noloco_plan(5, num_workers=6, group_size=4)
 
 
 def test_plan_phases():
-  plan = nl.noloco_plan(3, num_workers=M, seed=2)
+  plan = outer.noloco_plan(3, num_workers=M, seed=2)
   assert [plan(c) for c in (0, 1, 3, 4, 6, 7)] == [False] * 6
-  assert plan(2) == nl.noloco_groups(2, 0, M, 2)
-  assert plan(5) == nl.noloco_groups(2, 1, M, 2)
-  assert plan(299) == nl.noloco_groups(2, 99, M, 2)
+  assert plan(2) == outer.noloco_groups(2, 0, M, 2)
+  assert plan(5) == outer.noloco_groups(2, 1, M, 2)
+  assert plan(299) == outer.noloco_groups(2, 99, M, 2)
   assert plan.num_syncs(0, 9) == 3
   assert plan.phases(6)[0] is False
 
@@ -183,8 +158,8 @@ def test_hand_computed_syncs_with_consensus(consensus):
   params = rng.normal(size=(M, 3)).astype(np.float32)
   grads = rng.normal(size=(6, M, 3)).astype(np.float32)
   rounds = [((0, 2), (1, 3)), ((0, 1), (2, 3)), ((0, 3), (1, 2))]
-  tx = nl.noloco(optax.sgd(1.0), sync_every=2, learning_rate=0.7,
-                 momentum=0.5, consensus=consensus)
+  tx = outer.noloco(optax.sgd(1.0), sync_every=2, learning_rate=0.7,
+                    momentum=0.5, consensus=consensus)
 
   def step(p, s, g, sync):
     u, s = tx.update({'w': g}, s, p, sync=sync)
@@ -213,10 +188,10 @@ def test_hand_computed_syncs_with_consensus(consensus):
 
 
 def test_one_group_of_all_workers_is_diloco_with_heavy_ball():
-  params = stack(jax.tree.map(lambda x: x[0], model_params()))
-  tx = nl.noloco(optax.adam(1e-2), sync_every=3, learning_rate=0.7,
-                 momentum=0.5, group_size=M)
-  got, state = run(tx, 9, params, plan=nl.noloco_plan(3, M, group_size=M))
+  params = helpers.stack(jax.tree.map(lambda x: x[0], model_params()))
+  tx = outer.noloco(optax.adam(1e-2), sync_every=3, learning_rate=0.7,
+                    momentum=0.5, group_size=M)
+  got, state = run(tx, 9, params, plan=outer.noloco_plan(3, M, group_size=M))
   ref = loc_opt.diloco(optax.adam(1e-2), sync_every=3,
                        outer=optax.sgd(0.7, momentum=0.5))
   want, want_state = run(ref, 9, params)
@@ -236,8 +211,8 @@ def test_full_consensus_is_gossip_averaging_in_groups():
   params = model_params()
   inner = optax.sgd(0.1)
   groups = ((0, 3), (1, 2))
-  tx = nl.noloco(inner, sync_every=2, learning_rate=1.0, momentum=0.0,
-                 consensus=1.0)
+  tx = outer.noloco(inner, sync_every=2, learning_rate=1.0, momentum=0.0,
+                    consensus=1.0)
   got, _ = run(tx, 2, params, plan=lambda c: groups if c == 1 else False)
   local, _ = run(tx, 2, params, phase=False)
   for group in groups:
@@ -250,8 +225,8 @@ def test_full_consensus_is_gossip_averaging_in_groups():
 
 def test_plan_equals_on_device_decision():
   params = model_params()
-  tx = nl.noloco(optax.adam(1e-2), sync_every=2, seed=3)
-  plan = nl.noloco_plan(2, M, seed=3)
+  tx = outer.noloco(optax.adam(1e-2), sync_every=2, seed=3)
+  plan = outer.noloco_plan(2, M, seed=3)
   assert plan(1) != plan(3)  # two pairings are exercised
   got, state = run(tx, 4, params, plan=plan)
   want, want_state = run(tx, 4, params)  # sync=None: lax.cond + gather
@@ -266,8 +241,8 @@ def test_plan_equals_on_device_decision():
 
 def test_plan_equals_on_device_decision_groups_of_four():
   params = model_params(8)
-  tx = nl.noloco(optax.sgd(0.1), sync_every=2, group_size=4, seed=1)
-  plan = nl.noloco_plan(2, 8, group_size=4, seed=1)
+  tx = outer.noloco(optax.sgd(0.1), sync_every=2, group_size=4, seed=1)
+  plan = outer.noloco_plan(2, 8, group_size=4, seed=1)
   got, _ = run(tx, 2, params, plan=plan)
   want, _ = run(tx, 2, params)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
@@ -275,11 +250,11 @@ def test_plan_equals_on_device_decision_groups_of_four():
 
 def test_shard_map_matches_vmap():
   params = model_params()
-  plan = nl.noloco_plan(2, M)
+  plan = outer.noloco_plan(2, M)
   want, _ = run(TX[2], 2, params)
-  got, state = run(TX[2], 2, params, plan=plan, mesh=worker_mesh())
+  got, state = run(TX[2], 2, params, plan=plan, mesh=helpers.worker_mesh())
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
-  cond, _ = run(TX[2], 2, params, mesh=worker_mesh())
+  cond, _ = run(TX[2], 2, params, mesh=helpers.worker_mesh())
   conf.assert_trees_close(cond, want, rtol=1e-6, atol=1e-6)
   assert state.count.sharding.spec == jax.P('worker')
 
@@ -287,10 +262,10 @@ def test_shard_map_matches_vmap():
 def test_eval_params_are_own_outer_params_in_param_dtype():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), model_params())
   tx = TX[2]
-  got, state = run(tx, 3, params, plan=nl.noloco_plan(2, M))
+  got, state = run(tx, 3, params, plan=outer.noloco_plan(2, M))
   assert state.anchor['w'].dtype == state.momentum['w'].dtype == jnp.float32
   assert got['w'].dtype == jnp.bfloat16
-  evals = jax.vmap(nl.noloco_eval_params)(state, got)
+  evals = jax.vmap(outer.noloco_eval_params)(state, got)
   assert evals['w'].dtype == jnp.bfloat16
   np.testing.assert_array_equal(
       np.asarray(evals['w'], np.float32),
@@ -305,15 +280,15 @@ def test_eval_params_are_own_outer_params_in_param_dtype():
 @pytest.mark.parametrize('bad', [0, -2, 2.5, True])
 def test_sync_every_must_be_a_positive_int(bad):
   with pytest.raises(ValueError, match='sync_every'):
-    nl.noloco(optax.sgd(0.1), sync_every=bad)
+    outer.noloco(optax.sgd(0.1), sync_every=bad)
 
 
 def test_bad_group_size_raises():
   with pytest.raises(ValueError, match='group_size'):
-    nl.noloco(optax.sgd(0.1), sync_every=2, group_size=0)
+    outer.noloco(optax.sgd(0.1), sync_every=2, group_size=0)
   with pytest.raises(ValueError, match='group_size'):
-    nl.noloco(optax.sgd(0.1), sync_every=2, axis_name=None)
-  tx = nl.noloco(optax.sgd(0.1), sync_every=2, group_size=3)
+    outer.noloco(optax.sgd(0.1), sync_every=2, axis_name=None)
+  tx = outer.noloco(optax.sgd(0.1), sync_every=2, group_size=3)
   with pytest.raises(ValueError, match='group_size'):
     run(tx, 1, model_params())
 
@@ -327,8 +302,8 @@ def test_bad_static_groups_raise(bad):
 
 
 def make_single(learning_rate):
-  return nl.noloco(optax.adam(learning_rate), sync_every=3, group_size=1,
-                   axis_name=None)
+  return outer.noloco(optax.adam(learning_rate), sync_every=3, group_size=1,
+                      axis_name=None)
 
 
 def test_conformance(tmp_path):
@@ -340,15 +315,15 @@ def test_conformance(tmp_path):
 
 @pytest.mark.parametrize('group_size', [2, 4])
 def test_sync_program_only_permutes_its_payload(group_size):
-  mesh = worker_mesh()
+  mesh = helpers.worker_mesh()
   params = model_params()
   one = jax.tree.map(lambda x: x[0], params)
   tx = TX[group_size]
-  plan = nl.noloco_plan(2, M, group_size=group_size)
+  plan = outer.noloco_plan(2, M, group_size=group_size)
   state = jax.vmap(tx.init)(params)
 
   def report(sync):
-    compiled = program(tx, sync, params, state, batches(0), mesh)
+    compiled = program(tx, sync, params, state, helpers.wide_batches(0), mesh)
     return parallel.collective_bytes(compiled, mesh)
 
   inner = report(plan(0))
@@ -358,22 +333,22 @@ def test_sync_program_only_permutes_its_payload(group_size):
   assert not sync.conditionals
   # phi and Delta in fp32 to each of the n - 1 peers, spread over the
   # worker's 2 devices (not sent once per device).
-  theory = nl.noloco_bytes(one) * (group_size - 1)
+  theory = outer.noloco_bytes(one) * (group_size - 1)
   assert theory == 2 * 136 * 4 * (group_size - 1)
   assert sync.cross_worker_bytes_per_worker == pytest.approx(theory,
                                                              rel=0.1)
 
 
 def test_on_device_program_syncs_in_one_branch_by_all_gather():
-  mesh = worker_mesh()
+  mesh = helpers.worker_mesh()
   params = model_params()
   state = jax.vmap(TX[2].init)(params)
   report = parallel.collective_bytes(
-      program(TX[2], None, params, state, batches(0), mesh), mesh)
+      program(TX[2], None, params, state, helpers.wide_batches(0), mesh), mesh)
   assert report.cross_worker_bytes == 0
   kinds = {c.kind for c in report.collectives if c.cross_worker}
   assert kinds == {'all-gather'}
-  theory = nl.noloco_bytes(jax.tree.map(lambda x: x[0], params))
+  theory = outer.noloco_bytes(jax.tree.map(lambda x: x[0], params))
   # Each worker contributes its payload once, but receives M - 1 of them.
   assert report.cross_worker_bytes_range[1] == pytest.approx(theory * M,
                                                              rel=0.1)

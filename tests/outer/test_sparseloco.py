@@ -1,4 +1,4 @@
-"""Tests of SparseLoCo (loc_opt.outer.sparse_outer): EF invariant, the
+"""Tests of SparseLoCo (loc_opt.outer.sparseloco): EF invariant, the
 DiLoCo equivalence, aggregation, plans, and bytes on the compiled program."""
 
 import functools
@@ -10,29 +10,25 @@ import optax
 import pytest
 
 import loc_opt
+from loc_opt import outer
 from loc_opt import parallel
-from loc_opt.outer import sparse_outer
 from tests import optax_conformance as conf
-from tests.outer import test_demo
+from tests.outer import _helpers as helpers
 
-M = 4
-# A 16 x 8 weight (one 16 x 8 tile at tile 16) and a bias of 8.
-SHAPES = {'w': (16, 8), 'b': (8,)}
+M = helpers.M
+# DeMo's tests' model: helpers.TILE_SHAPES, a 16 x 8 weight (one 16 x 8
+# tile at tile 16) and a bias of 8, with helpers.tile_grads.
 
 
 def make_sparseloco(learning_rate):
-  return sparse_outer.sparseloco(optax.adam(learning_rate), sync_every=2,
-                                 axis_name=None)
+  return outer.sparseloco(optax.adam(learning_rate), sync_every=2,
+                          axis_name=None)
 
 
 def test_conformance(tmp_path):
   conf.check_all(make_sparseloco, tmp_path)
 
 
-# The same small model, parameters and per-worker gradients as DeMo's tests.
-stack = test_demo.stack
-init_params = test_demo.init_params
-worker_grads = test_demo.worker_grads
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +45,10 @@ def compiled_step(tx, mode='vmap', sync=None):
       step, parallel.make_worker_mesh(M, data=2)))
 
 
-def run_workers(tx, steps, m=M, mode='vmap', plan=None, grads=worker_grads):
+def run_workers(tx, steps, m=M, mode='vmap', plan=None,
+                grads=helpers.tile_grads):
   """Trains m workers; ``plan`` picks a static program per step."""
-  params = stack(init_params(), m)
+  params = helpers.stack(helpers.tile_params(), m)
   state = jax.vmap(tx.init)(params)
   for i in range(steps):
     sync = None if plan is None else plan(i)
@@ -62,23 +59,23 @@ def run_workers(tx, steps, m=M, mode='vmap', plan=None, grads=worker_grads):
 
 # A default SparseLoCo on small tiles: 8 x 8 tiles of w (k 2), 8-long
 # segments of b (k 1), 2-bit values.
-TX = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=2, topk=128, tile=8)
+TX = outer.sparseloco(optax.sgd(0.1), sync_every=2, topk=128, tile=8)
 
 
 def test_error_feedback_invariant_and_two_bit_messages():
   # One worker, lr 1: the anchor moves by exactly the transmitted
   # reconstruction s, and ef_decay e_old + delta == s + e_new.
   beta = 0.9
-  tx = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=1, ef_decay=beta,
-                               topk=512, tile=8, axis_name=None)
-  params = init_params()
+  tx = outer.sparseloco(optax.sgd(0.1), sync_every=1, ef_decay=beta,
+                        topk=512, tile=8, axis_name=None)
+  params = helpers.tile_params()
   state = tx.init(params)
   step = jax.jit(tx.update)
   for i in range(3):
-    grads = jax.tree.map(lambda g: g[0], worker_grads(i, 1))
+    grads = jax.tree.map(lambda g: g[0], helpers.tile_grads(i, 1))
     updates, new = step(grads, state, params)
     new_params = optax.apply_updates(params, updates)
-    for k in SHAPES:
+    for k in helpers.TILE_SHAPES:
       delta = state.anchor[k] - (params[k] - 0.1 * grads[k])
       sent = state.anchor[k] - new.anchor[k]
       np.testing.assert_allclose(beta * state.error[k] + delta,
@@ -98,8 +95,8 @@ def test_error_feedback_invariant_and_two_bit_messages():
 
 def test_dense_unquantized_no_decay_equals_diloco_with_outer_sgd():
   inner = optax.adam(1e-2)
-  dense = sparse_outer.sparseloco(inner, sync_every=3, ef_decay=0.0,
-                                  topk=4096, tile=8, value_codec=None)
+  dense = outer.sparseloco(inner, sync_every=3, ef_decay=0.0,
+                           topk=4096, tile=8, value_codec=None)
   got, state = run_workers(dense, 7)
   want, want_state = run_workers(
       loc_opt.diloco(inner, sync_every=3, outer=optax.sgd(1.0)), 7)
@@ -126,10 +123,10 @@ def hand_grads(step, m=M):
     ('mean_over_workers', {0: 2.0, 7: 0.5, 9: -1.0})])
 def test_aggregation_on_a_hand_case(aggregate, want):
   # One 16-long segment, k = round(256 * 16 / 4096) = 1 entry per worker.
-  tx = sparse_outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
-                               topk=256, tile=16, value_codec=None,
-                               aggregate=aggregate)
-  params = stack({'v': jnp.zeros((16,))})
+  tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
+                        topk=256, tile=16, value_codec=None,
+                        aggregate=aggregate)
+  params = helpers.stack({'v': jnp.zeros((16,))})
   state = jax.vmap(tx.init)(params)
   params, state = compiled_step(tx)(params, state, hand_grads(0))
   expected = np.zeros(16, np.float32)
@@ -146,11 +143,11 @@ def test_learning_rate_is_applied_once():
   # Dense, unquantized, no decay, lr 0.5, one worker: the anchor moves
   # halfway to the local parameters and the buffer is emptied (the
   # reference code would move a quarter of the way: lr^2).
-  tx = sparse_outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
-                               topk=4096, tile=8, value_codec=None,
-                               learning_rate=0.5, axis_name=None)
-  params = init_params()
-  grads = jax.tree.map(lambda g: g[0], worker_grads(0, 1))
+  tx = outer.sparseloco(optax.sgd(1.0), sync_every=1, ef_decay=0.0,
+                        topk=4096, tile=8, value_codec=None,
+                        learning_rate=0.5, axis_name=None)
+  params = helpers.tile_params()
+  grads = jax.tree.map(lambda g: g[0], helpers.tile_grads(0, 1))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   conf.assert_trees_close(
       optax.apply_updates(params, updates),
@@ -159,7 +156,7 @@ def test_learning_rate_is_applied_once():
 
 
 def test_plan_phases_equal_the_device_decision():
-  plan = sparse_outer.sparseloco_plan(2)
+  plan = outer.sparseloco_plan(2)
   assert [plan(c) for c in range(5)] == [False, True, False, True, False]
   assert plan.phases(5) == (False, True)
   want, want_state = run_workers(TX, 5)
@@ -176,7 +173,7 @@ def test_plan_phases_equal_the_device_decision():
   for m in range(M):
     conf.assert_trees_close(
         jax.tree.map(lambda x: x[m], three),
-        sparse_outer.sparseloco_eval_params(
+        outer.sparseloco_eval_params(
             jax.tree.map(lambda x: x[m], three_state),
             jax.tree.map(lambda x: x[m], three)), rtol=0, atol=1e-6)
   assert not np.allclose(got['w'][0], got['w'][1])
@@ -192,24 +189,14 @@ def test_shard_map_runner_matches_vmap_runner():
 def test_compiled_programs_move_the_compact_payload_only():
   mesh = parallel.make_worker_mesh(M, data=2)
   shapes = {'w': (64, 128), 'b': (128,)}
-  tx = sparse_outer.sparseloco(optax.sgd(0.1), sync_every=3)  # 128 / 4096
-
-  def step(params, state, grads, sync):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
+  tx = outer.sparseloco(optax.sgd(0.1), sync_every=3)  # 128 / 4096
   params = {k: jnp.zeros((M,) + s) for k, s in shapes.items()}
-  grads = {k: jnp.ones((M,) + s) for k, s in shapes.items()}
-  state = jax.vmap(tx.init)(params)
 
   def report(sync):
-    compiled = jax.jit(parallel.shard_map_workers(
-        functools.partial(step, sync=sync), mesh)).lower(
-            params, state, grads).compile()
-    return parallel.collective_bytes(compiled, mesh)
+    return helpers.phase_report(tx, params, sync, mesh)
 
   n = sum(int(np.prod(s)) for s in shapes.values())
-  theory = sparse_outer.sparseloco_payload_bytes(
+  theory = outer.sparseloco_payload_bytes(
       {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()})
   # w: 2 tiles x 128 entries, b: 2 segments x 2; 12-bit indices, 2-bit
   # codes, 20 bytes of shift and table per tensor.
@@ -241,4 +228,4 @@ def test_bf16_params_keep_fp32_anchor_and_buffer():
 def test_bad_arguments_raise(kwargs, name):
   kwargs = {'sync_every': 3, **kwargs}
   with pytest.raises(ValueError, match=name):
-    sparse_outer.sparseloco(optax.sgd(0.1), **kwargs)
+    outer.sparseloco(optax.sgd(0.1), **kwargs)

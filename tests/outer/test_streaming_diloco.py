@@ -1,7 +1,5 @@
 """Tests of Streaming DiLoCo: schedule, fragments, overlap blend, bytes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +8,16 @@ import pytest
 
 import loc_opt
 from loc_opt import compression
+from loc_opt import outer
 from loc_opt import parallel
-from loc_opt.outer import streaming
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def make_streaming(learning_rate):
-  return streaming.streaming_diloco(
+  return outer.streaming_diloco(
       optax.adam(learning_rate), sync_every=4, fragments={'w': 1, 'b': 0},
       overlap=1, axis_name=None)
 
@@ -28,32 +26,12 @@ def test_conformance(tmp_path):
   conf.check_all(make_streaming, tmp_path)
 
 
-def run_phased(tx, plan, steps, m=M):
-  """As td.run_workers, with the static phase of the plan on every step."""
-
-  def step(params, state, batch, sync):
-    grads = jax.grad(td.quad_loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  programs = {}
-  params = td.stack(conf.example_params(), m)
-  state = jax.vmap(tx.init)(params)
-  for i in range(steps):
-    phase = plan(i)
-    if phase not in programs:
-      programs[phase] = jax.jit(parallel.vmap_workers(
-          functools.partial(step, sync=phase)))
-    params, state = programs[phase](params, state, td.worker_batches(i, m))
-  return params, state, programs
-
-
 def test_one_fragment_no_overlap_is_diloco():
   kw = dict(sync_every=3, outer=loc_opt.outer.nesterov_outer(0.7, 0.9))
-  got, state = td.run_workers(streaming.streaming_diloco(
+  got, state = helpers.run_workers(outer.streaming_diloco(
       optax.adam(1e-2), num_fragments=1, **kw), 10)
-  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
-                                    10)
+  want, want_state = helpers.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
+                                         10)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
                           atol=1e-7)
@@ -66,13 +44,13 @@ def test_one_fragment_no_overlap_is_diloco():
 
 @pytest.mark.parametrize('h,p,tau', [(4, 2, 1), (6, 2, 0)])
 def test_plan_matches_switch_program(h, p, tau):
-  tx = streaming.streaming_diloco(
+  tx = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=h, fragments={'w': p - 1, 'b': 0},
       overlap=tau)
-  plan = streaming.streaming_plan(h, p, tau)
+  plan = outer.streaming_plan(h, p, tau)
   steps = 2 * h + tau + 1
-  got, state, programs = run_phased(tx, plan, steps)
-  want, want_state = td.run_workers(tx, steps)
+  got, state, programs = helpers.run_planned(tx, plan, steps)
+  want, want_state = helpers.run_workers(tx, steps)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
   # Inner, one send per fragment (and one apply per fragment with overlap).
@@ -81,7 +59,7 @@ def test_plan_matches_switch_program(h, p, tau):
 
 @pytest.mark.parametrize('h,p,tau', [(12, 4, 0), (12, 3, 3), (8, 4, 1)])
 def test_plan_syncs_each_fragment_once_per_period(h, p, tau):
-  plan = streaming.streaming_plan(h, p, tau)
+  plan = outer.streaming_plan(h, p, tau)
   phases = [plan(c) for c in range(5 * h)]
   stride = h // p
   for start in range(0, 4 * h):
@@ -137,34 +115,34 @@ def block_fragments(ids, num_layers):
     (2, 2, 'sequential', {0: 1, 1: 1}),
 ])
 def test_fragment_ids_on_lm_names(layers, p, pattern, want):
-  ids = streaming.fragment_ids(lm_params(layers), p, pattern=pattern)
+  ids = outer.fragment_ids(lm_params(layers), p, pattern=pattern)
   blocks, rest = block_fragments(ids, layers)
   assert blocks == want
   assert rest == {0}
 
 
 def test_fragment_ids_without_a_separate_non_block_fragment():
-  ids = streaming.fragment_ids(lm_params(5), 2, separate_non_block=False)
+  ids = outer.fragment_ids(lm_params(5), 2, separate_non_block=False)
   blocks, rest = block_fragments(ids, 5)
   assert blocks == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0} and rest == {0}
-  ids = streaming.fragment_ids(lm_params(5), 2, separate_non_block=False,
-                               pattern='sequential')
+  ids = outer.fragment_ids(lm_params(5), 2, separate_non_block=False,
+                           pattern='sequential')
   assert block_fragments(ids, 5)[0] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}
-  one = streaming.fragment_ids(lm_params(3), 1)
+  one = outer.fragment_ids(lm_params(3), 1)
   assert set(jax.tree.leaves(one)) == {0}
 
 
 def test_fragment_ids_ranks_sparse_block_numbers():
   params = {'layer_10': {'w': jnp.zeros(2)}, 'layer_7': {'w': jnp.zeros(2)},
             'head': jnp.zeros(2)}
-  ids = streaming.fragment_ids(params, 3)
+  ids = outer.fragment_ids(params, 3)
   assert ids == {'layer_7': {'w': 1}, 'layer_10': {'w': 2}, 'head': 0}
 
 
 @pytest.mark.parametrize('layers,p', [(2, 4), (0, 2), (5, 7)])
 def test_fragment_ids_raise_on_empty_fragment(layers, p):
   with pytest.raises(ValueError, match='num_fragments'):
-    streaming.fragment_ids(lm_params(layers), p)
+    outer.fragment_ids(lm_params(layers), p)
 
 
 def test_fragments_as_callable_and_tree_agree():
@@ -176,13 +154,13 @@ def test_fragments_as_callable_and_tree_agree():
     return 1 if name.startswith('layer_') else 0
 
   tree = jax.tree_util.tree_map_with_path(by_path, params)
-  sizes = streaming.fragment_bytes(params, by_path)
-  assert sizes == streaming.fragment_bytes(params, tree)
+  sizes = outer.fragment_bytes(params, by_path)
+  assert sizes == outer.fragment_bytes(params, tree)
   assert sizes == [4 * (8 + 2 + 8), 4 * 3 * 16]
   # fragment_bytes: fp4 payload + one fp32 scale per fragment.
   fp4 = compression.fp4_codec('e3m0', block_size=None)
-  assert streaming.fragment_bytes(params, tree, codec=fp4) == [9 + 4, 24 + 4]
-  assert streaming.fragment_bytes(params, tree, jnp.bfloat16) == [36, 96]
+  assert outer.fragment_bytes(params, tree, codec=fp4) == [9 + 4, 24 + 4]
+  assert outer.fragment_bytes(params, tree, jnp.bfloat16) == [36, 96]
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -196,24 +174,24 @@ def test_fragments_as_callable_and_tree_agree():
 ])
 def test_bad_arguments_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    streaming.streaming_diloco(optax.sgd(0.1), **kwargs)
+    outer.streaming_diloco(optax.sgd(0.1), **kwargs)
   if 'alpha' not in kwargs and 'fragments' not in kwargs:
     with pytest.raises(ValueError, match=match):
-      streaming.streaming_plan(kwargs['sync_every'],
-                               kwargs.get('num_fragments', 1),
-                               kwargs.get('overlap', 0))
+      outer.streaming_plan(kwargs['sync_every'],
+                           kwargs.get('num_fragments', 1),
+                           kwargs.get('overlap', 0))
 
 
 def test_bad_fragments_and_phases_raise():
   params = conf.example_params()
-  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=6,
-                                  num_fragments=3,
-                                  fragments={'w': 0, 'b': 1})
+  tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=6,
+                              num_fragments=3,
+                              fragments={'w': 0, 'b': 1})
   with pytest.raises(ValueError, match='fragments'):
     tx.init(params)
-  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=4,
-                                  fragments={'w': 0, 'b': 1}, overlap=1,
-                                  axis_name=None)
+  tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                              fragments={'w': 0, 'b': 1}, overlap=1,
+                              axis_name=None)
   state = tx.init(params)
   for bad in [True, (0, 0), (None, None), (2, None), 1]:
     with pytest.raises(ValueError, match='sync'):
@@ -227,21 +205,15 @@ def test_overlap_blend_uses_current_local_params():
   # theta_1 = 0.5 (th0 - 3 g_m) + 0.5 phi_1 = th0 - 1.5 g_m - 0.5 gbar.
   # Fragment 0 ('head') sends at t = 4 (delta 4 g_m), lands at t = 5:
   # phi_0 = th0 - 2 gbar, theta_0 = 0.5 (th0 - 5 g_m) + 0.5 phi_0.
-  tx = streaming.streaming_diloco(
+  tx = outer.streaming_diloco(
       optax.sgd(1.0), sync_every=4, num_fragments=2, overlap=1, alpha=0.5,
       outer=optax.sgd(0.5))
   th0 = {'head': jnp.array([1.0, -2.0]), 'layer_0': jnp.array([0.5, 3.0])}
   g = {'head': jnp.array([[1.0, 2.0], [3.0, -1.0]]),
        'layer_0': jnp.array([[-2.0, 0.5], [1.0, 1.5]])}
   gbar = jax.tree.map(lambda x: x.mean(0), g)
-
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(th0, 2)
+  step = helpers.grads_step(tx)
+  params = helpers.stack(th0, 2)
   state = jax.vmap(tx.init)(params)
   seen = []
   for _ in range(5):
@@ -262,21 +234,21 @@ def test_overlap_blend_uses_current_local_params():
   np.testing.assert_allclose(
       p5['layer_0'], l0 - 3.5 * gl - 0.5 * gbar['layer_0'], rtol=1e-6)
   np.testing.assert_allclose(
-      streaming.streaming_eval_params(s5, p5)['head'][1], phi0, rtol=1e-6)
+      outer.streaming_eval_params(s5, p5)['head'][1], phi0, rtol=1e-6)
   np.testing.assert_array_equal(s5.sends[0], [1, 1])
   np.testing.assert_array_equal(s5.applies[0], [1, 1])
 
 
 def test_only_the_applied_fragment_moves_its_outer_state():
   h, p, tau = 6, 3, 1
-  tx = streaming.streaming_diloco(
+  tx = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=h, num_fragments=p, overlap=tau,
       fragments=lambda path, x: {'w': 1, 'b': 2}[path[0].key] if x.ndim
       else 0)
-  params = td.stack({'w': jnp.ones((4, 3)), 'b': jnp.ones(3),
-                     'c': jnp.ones(())})
+  params = helpers.stack({'w': jnp.ones((4, 3)), 'b': jnp.ones(3),
+                          'c': jnp.ones(())})
   state = jax.vmap(tx.init)(params)
-  plan = streaming.streaming_plan(h, p, tau)
+  plan = outer.streaming_plan(h, p, tau)
 
   @jax.jit
   @parallel.vmap_workers
@@ -288,7 +260,7 @@ def test_only_the_applied_fragment_moves_its_outer_state():
     return optax.apply_updates(params, updates), state
 
   for i in range(2 * h + 1):
-    new_params, new_state = step(params, state, td.worker_batches(i))
+    new_params, new_state = step(params, state, helpers.worker_batches(i))
     phase = plan(i)
     applied = phase[1] if phase else None
     for q in range(p):
@@ -308,13 +280,13 @@ def test_only_the_applied_fragment_moves_its_outer_state():
 def test_fp4_codec_sends_through_each_fragment():
   codec = compression.error_feedback(compression.as_compressor(
       compression.fp4_codec('e3m0', block_size=None)))
-  tx = streaming.streaming_diloco(
+  tx = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0},
       codec=codec)
-  exact = streaming.streaming_diloco(
+  exact = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0})
-  params, state = td.run_workers(tx, 2)  # fragment 1 ('w') synced once
-  want, _ = td.run_workers(exact, 2)
+  params, state = helpers.run_workers(tx, 2)  # fragment 1 ('w') synced once
+  want, _ = helpers.run_workers(exact, 2)
   # Workers agree after the sync; fp4 lands near the exact mean.
   np.testing.assert_array_equal(params['w'][0], params['w'][3])
   np.testing.assert_allclose(params['w'], want['w'], atol=0.05)
@@ -336,41 +308,31 @@ def hlo_params():
   return params
 
 
-def per_worker_bytes(tx, sync, mesh):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(hlo_params())
-  state = jax.eval_shape(jax.vmap(tx.init), params)
-  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, params).compile()
-  return parallel.collective_bytes(compiled, mesh)
-
-
 def test_hlo_bytes_per_phase():
   mesh = parallel.make_worker_mesh(M, data=2)
+  params = helpers.stack(hlo_params())
   p, h = 3, 6
-  ids = streaming.fragment_ids(hlo_params(), p)
-  theory = streaming.fragment_bytes(hlo_params(), ids)
+  ids = outer.fragment_ids(hlo_params(), p)
+  theory = outer.fragment_bytes(hlo_params(), ids)
   assert theory == [4096] * 3
   dense = loc_opt.diloco(optax.sgd(0.1), sync_every=h,
                          reduce_fn=parallel.worker_mean())
-  total = per_worker_bytes(dense, True, mesh).cross_worker_bytes_per_worker
+  total = helpers.phase_report(dense, params, True,
+                               mesh).cross_worker_bytes_per_worker
   np.testing.assert_allclose(total, sum(theory), rtol=0.1)
   fp4 = compression.fp4_codec('e3m0', block_size=None)
   for codec in (None, fp4):
-    tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=h,
-                                    num_fragments=p, overlap=1, codec=codec)
-    plan = streaming.streaming_plan(h, p, 1)
-    want = streaming.fragment_bytes(hlo_params(), ids, codec=codec)
+    tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=h,
+                                num_fragments=p, overlap=1, codec=codec)
+    plan = outer.streaming_plan(h, p, 1)
+    want = outer.fragment_bytes(hlo_params(), ids, codec=codec)
     got = {}
     # The send phases, and (once) the inner and an apply phase.
     phases = [ph for ph in plan.phases(2 * h) if ph and ph[0] is not None]
     if codec is None:
       phases += [False, (None, 0)]
     for phase in phases:
-      report = per_worker_bytes(tx, phase, mesh)
+      report = helpers.phase_report(tx, params, phase, mesh)
       got[phase] = report.cross_worker_bytes_per_worker
       assert report.cross_worker_bytes_range[0] == \
           report.cross_worker_bytes_range[1]  # no conditional collectives
@@ -387,9 +349,9 @@ def test_hlo_bytes_per_phase():
 
 def test_switch_program_sends_only_inside_branches():
   mesh = parallel.make_worker_mesh(M, data=2)
-  tx = streaming.streaming_diloco(optax.sgd(0.1), sync_every=6,
-                                  num_fragments=3)
-  report = per_worker_bytes(tx, None, mesh)
+  tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=6,
+                              num_fragments=3)
+  report = helpers.phase_report(tx, helpers.stack(hlo_params()), None, mesh)
   assert report.cross_worker_bytes == 0
   (branches,) = report.branches.values()
   # Inner branch moves nothing; each fragment's branch its 4 KiB per worker.

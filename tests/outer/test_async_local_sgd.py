@@ -1,4 +1,4 @@
-"""Tests of loc_opt.outer.asynchronous: Delayed Nesterov, DyLU, async ticks."""
+"""Tests of loc_opt.outer.async_local_sgd: Delayed Nesterov, DyLU, ticks."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +7,12 @@ import optax
 import pytest
 
 import loc_opt
+from loc_opt import outer
 from loc_opt import parallel
-from loc_opt.outer import asynchronous as aso
 from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 # ------------------------------------------------------ Delayed Nesterov ---
@@ -35,7 +36,7 @@ def run_outer(tx, grads, phi):
 def test_dn_buffer_one_is_nesterov():
   phi = {'w': jnp.arange(5.0)}
   grads = pushes(6)
-  got = run_outer(aso.delayed_nesterov(0.3, 0.8, buffer_size=1), grads, phi)
+  got = run_outer(outer.delayed_nesterov(0.3, 0.8, buffer_size=1), grads, phi)
   want = run_outer(optax.sgd(0.3, momentum=0.8, nesterov=True), grads, phi)
   for a, b in zip(got, want):
     conf.assert_trees_close(a, b, rtol=1e-6, atol=1e-6)
@@ -45,7 +46,7 @@ def test_dn_moves_one_nesterov_step_per_buffer_on_the_average():
   n, lr, beta = 3, 0.7, 0.9
   phi = {'w': jnp.arange(5.0)}
   grads = pushes(2 * n)
-  got = run_outer(aso.delayed_nesterov(lr, beta, buffer_size=n), grads, phi)
+  got = run_outer(outer.delayed_nesterov(lr, beta, buffer_size=n), grads, phi)
   means = [jax.tree.map(lambda *g: sum(g) / n, *grads[i:i + n])
            for i in (0, n)]
   want = run_outer(optax.sgd(lr, momentum=beta, nesterov=True), means, phi)
@@ -63,7 +64,7 @@ def test_dn_activation_spreads_the_momentum_analytically():
   # m = (1 + 1) / 2 = 1, d = (1 - cN + c) b m + g/2 = 0.45 + 0.5 = 0.95;
   # push 3: d = c b m + g/2 = 0.45 + 0.5 = 0.95; push 4: m = 0.9 + 1 = 1.9,
   # d = 0.5 * 0.9 * 1.9 + 0.5 = 1.355.
-  tx = aso.delayed_nesterov(1.0, 0.9, buffer_size=2, activation=0.5)
+  tx = outer.delayed_nesterov(1.0, 0.9, buffer_size=2, activation=0.5)
   phi = {'w': jnp.zeros(2)}
   ones = [{'w': jnp.ones(2)}] * 4
   got = [float(p['w'][0]) for p in run_outer(tx, ones, phi)]
@@ -80,52 +81,51 @@ def test_dn_activation_spreads_the_momentum_analytically():
 ])
 def test_dn_validates_its_arguments(kwargs, name):
   with pytest.raises(ValueError, match=name):
-    aso.delayed_nesterov(0.1, **kwargs)
+    outer.delayed_nesterov(0.1, **kwargs)
 
 
 def test_dn_activation_at_its_bound_is_accepted():
-  aso.delayed_nesterov(0.1, buffer_size=4, activation=0.25)
+  outer.delayed_nesterov(0.1, buffer_size=4, activation=0.25)
 
 
 def test_dn_conformance(tmp_path):
   conf.check_all(
-      lambda learning_rate: aso.delayed_nesterov(
-          learning_rate, 0.9, buffer_size=2,
-                                      activation=0.25), tmp_path)
+      lambda learning_rate: outer.delayed_nesterov(
+          learning_rate, 0.9, buffer_size=2, activation=0.25), tmp_path)
 
 
 # -------------------------------------------------------- speeds, events ---
 def test_dylu_periods():
-  assert aso.dylu_periods((1, 1, 1, 0.5), 10) == (10, 10, 10, 5)
-  assert aso.dylu_periods((1, 1, 1, 0.5), 10, dylu=False) == (10,) * 4
+  assert outer.dylu_periods((1, 1, 1, 0.5), 10) == (10, 10, 10, 5)
+  assert outer.dylu_periods((1, 1, 1, 0.5), 10, dylu=False) == (10,) * 4
   # Any unit: steps per second, normalised by the fastest.
-  assert aso.dylu_periods((4.0, 2.0, 1.0), 8) == (8, 4, 2)
-  assert aso.dylu_periods((0.29, 1.0), 100) == (29, 100)  # no 28.99 floor
-  assert aso.dylu_periods((1.0, 0.01), 10) == (10, 1)  # at least one step
+  assert outer.dylu_periods((4.0, 2.0, 1.0), 8) == (8, 4, 2)
+  assert outer.dylu_periods((0.29, 1.0), 100) == (29, 100)  # no 28.99 floor
+  assert outer.dylu_periods((1.0, 0.01), 10) == (10, 1)  # at least one step
 
 
 @pytest.mark.parametrize('speeds', [(), (1.0, 0.0), (1.0, -1.0),
                                     (1.0, float('nan')), (1.0, True)])
 def test_speeds_are_validated(speeds):
   with pytest.raises(ValueError, match='speeds'):
-    aso.dylu_periods(speeds, 10)
+    outer.dylu_periods(speeds, 10)
 
 
 @pytest.mark.parametrize('bad', [0, -1, 2.5, True])
 def test_sync_every_is_validated(bad):
   with pytest.raises(ValueError, match='sync_every'):
-    aso.dylu_periods((1.0,), bad)
+    outer.dylu_periods((1.0,), bad)
 
 
 def test_dylu_makes_a_straggler_finish_with_the_others():
   speeds, h, ticks = (1, 1, 1, 0.5), 10, 60
-  events = aso.async_events(speeds, aso.dylu_periods(speeds, h), ticks)
+  events = outer.async_events(speeds, outer.dylu_periods(speeds, h), ticks)
   finish = [[k for k, e in enumerate(events) if w in e.finishing]
             for w in range(M)]
   for w in range(M):
     assert finish[w] == [9, 19, 29, 39, 49, 59]
   # Without DyLU the 2x straggler finishes every 2H ticks.
-  events = aso.async_events(speeds, (h,) * M, ticks)
+  events = outer.async_events(speeds, (h,) * M, ticks)
   assert [k for k, e in enumerate(events) if 3 in e.finishing] == [19, 39, 59]
   assert [k for k, e in enumerate(events) if 0 in e.finishing] == [
       9, 19, 29, 39, 49, 59]
@@ -133,7 +133,7 @@ def test_dylu_makes_a_straggler_finish_with_the_others():
 
 def test_inner_steps_follow_speed_times_ticks():
   speeds = (2.0, 1.0, 2.0 / 3, 1.4)  # relative 1, 1/2, 1/3, 0.7
-  events = aso.async_events(speeds, (3, 3, 3, 3), 30)
+  events = outer.async_events(speeds, (3, 3, 3, 3), 30)
   for ticks in (1, 2, 7, 10, 30):
     steps = [sum(w in e.active for e in events[:ticks]) for w in range(M)]
     assert steps == [ticks, ticks // 2, ticks // 3, (7 * ticks) // 10]
@@ -148,56 +148,33 @@ def test_inner_steps_follow_speed_times_ticks():
 
 
 def test_plan_names_the_finishers():
-  plan = aso.async_plan((1, 1, 1, 0.5), 4)
+  plan = outer.async_plan((1, 1, 1, 0.5), 4)
   assert [plan(c) for c in range(8)] == [False, False, False, (0, 1, 2, 3)] * 2
-  plan = aso.async_plan((1, 1, 1, 0.5), 4, dylu=False)
+  plan = outer.async_plan((1, 1, 1, 0.5), 4, dylu=False)
   assert plan(3) == (0, 1, 2) and plan(7) == (0, 1, 2, 3)
   assert plan.phases(8) == (False, (0, 1, 2), (0, 1, 2, 3))
   assert plan.num_syncs(0, 8) == 2
 
 
 # ------------------------------------------------------ async local SGD ---
-def quad_loss(params, batch):
-  x, y = batch
-  pred = jnp.tanh(x @ params['w']) + params['b']
-  return jnp.mean((pred - y) ** 2)
-
-
 def init_params():
   k1, k2 = jax.random.split(jax.random.key(0))
   return {'w': jax.random.normal(k1, (16, 8)) / 4,
           'b': jax.random.normal(k2, (8,))}
 
 
-def worker_batches(step, m=M):
-  key = jax.random.fold_in(jax.random.key(42), step)
-  kx, ky = jax.random.split(key)
-  return (jax.random.normal(kx, (m, 4, 16)), jax.random.normal(ky, (m, 4, 8)))
-
-
-def stack(tree, m=M):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), tree)
-
-
-def make_step(tx, sync=None, loss=quad_loss):
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 def run_workers(tx, ticks, plan=None, runner=parallel.vmap_workers,
-                params=None, batches=worker_batches, loss=quad_loss):
+                params=None, batches=helpers.wide_batches,
+                loss=helpers.quad_loss):
   """Runs M workers for `ticks` ticks; with a plan, one program per phase."""
   programs = {}
 
   def program(phase):
     if phase not in programs:
-      programs[phase] = jax.jit(runner(make_step(tx, phase, loss)))
+      programs[phase] = jax.jit(runner(helpers.train_step(tx, phase, loss)))
     return programs[phase]
 
-  params = stack(init_params()) if params is None else params
+  params = helpers.stack(init_params()) if params is None else params
   state = jax.vmap(tx.init)(params)
   for k in range(ticks):
     phase = None if plan is None else plan(k)
@@ -210,7 +187,7 @@ def test_equal_speeds_first_round_equals_diloco():
   # pushes of one round it has made DiLoCo's outer Nesterov step.
   h = 3
   inner = optax.sgd(0.1)
-  tx = aso.async_local_sgd(inner, speeds=(1.0,) * M, sync_every=h)
+  tx = outer.async_local_sgd(inner, speeds=(1.0,) * M, sync_every=h)
   got, state, _ = run_workers(tx, h)
   ref = loc_opt.diloco(inner, sync_every=h,
                        outer=optax.sgd(0.7, momentum=0.9, nesterov=True))
@@ -242,9 +219,9 @@ def test_straggler_trace_is_analytic():
   # tick 3: w0 (from -2, at -4) pushes 2: phi = -4, w0 pulls -4; w1 (from 0,
   #   at -2, stepped on ticks 1 and 3) pushes 2 against its stale start:
   #   phi = -6, w1 pulls -6 (version 3).
-  tx = aso.async_local_sgd(optax.sgd(1.0), speeds=(1.0, 0.5), sync_every=2,
-                           dylu=False, outer=optax.sgd(1.0))
-  params = stack({'w': jnp.zeros(3)}, 2)
+  tx = outer.async_local_sgd(optax.sgd(1.0), speeds=(1.0, 0.5), sync_every=2,
+                             dylu=False, outer=optax.sgd(1.0))
+  params = helpers.stack({'w': jnp.zeros(3)}, 2)
   trace = []
   for ticks in range(1, 5):
     got, state, _ = run_workers(tx, ticks, params=params, loss=const_loss,
@@ -257,16 +234,16 @@ def test_straggler_trace_is_analytic():
   np.testing.assert_array_equal(state.version, [2, 3])
   np.testing.assert_array_equal(state.start_params['w'][:, 0], [-4, -6])
   np.testing.assert_array_equal(state.count, [4, 4])
-  eval_params = aso.async_eval_params(
+  eval_params = outer.async_eval_params(
       jax.tree.map(lambda x: x[1], state), {'w': jnp.zeros(3, jnp.bfloat16)})
   assert eval_params['w'].dtype == jnp.bfloat16
   np.testing.assert_array_equal(eval_params['w'], -6)
 
 
 def test_idle_worker_returns_zero_and_keeps_its_inner_state():
-  tx = aso.async_local_sgd(optax.adam(1e-2), speeds=(1.0, 1.0, 1.0, 0.5),
-                           sync_every=4)
-  params = stack(init_params())
+  tx = outer.async_local_sgd(optax.adam(1e-2), speeds=(1.0, 1.0, 1.0, 0.5),
+                             sync_every=4)
+  params = helpers.stack(init_params())
   got, state, _ = run_workers(tx, 1, params=params)
   adam = state.inner_state[0]
   np.testing.assert_array_equal(adam.count, [1, 1, 1, 0])
@@ -284,13 +261,13 @@ TICKS = 8
 
 @pytest.fixture(scope='module')
 def hetero():
-  tx = aso.async_local_sgd(optax.adam(1e-2), **HETERO)
+  tx = outer.async_local_sgd(optax.adam(1e-2), **HETERO)
   return tx, run_workers(tx, TICKS)  # sync=None: decided on device
 
 
 def test_plan_equals_on_device_decision(hetero):
   tx, (want, want_state, _) = hetero
-  plan = aso.async_plan(**HETERO)
+  plan = outer.async_plan(**HETERO)
   got, got_state, programs = run_workers(tx, TICKS, plan=plan)
   assert set(programs) == {False, (0, 2, 3), (0, 1, 2, 3)}
   np.testing.assert_array_equal(want_state.num_pushes, 14)
@@ -301,29 +278,29 @@ def test_plan_equals_on_device_decision(hetero):
 
 def test_dylu_transform_follows_its_periods():
   # DyLU gives worker 1 (speed 1/2) one step per round: all finish together.
-  tx = aso.async_local_sgd(optax.sgd(1e-2), speeds=HETERO['speeds'],
-                           sync_every=2)
+  tx = outer.async_local_sgd(optax.sgd(1e-2), speeds=HETERO['speeds'],
+                             sync_every=2)
   _, state, _ = run_workers(tx, 4)
   np.testing.assert_array_equal(state.num_pushes, 8)
   np.testing.assert_array_equal(state.version, [5, 6, 7, 8])
 
 
 def compiled(tx, sync, mesh):
-  params = stack(init_params())
+  params = helpers.stack(init_params())
   state = jax.vmap(tx.init)(params)
-  step = parallel.shard_map_workers(make_step(tx, sync), mesh)
-  return jax.jit(step).lower(params, state, worker_batches(0)).compile()
+  step = parallel.shard_map_workers(helpers.train_step(tx, sync), mesh)
+  return jax.jit(step).lower(params, state, helpers.wide_batches(0)).compile()
 
 
 def test_only_pushing_phases_cross_workers(hetero):
   mesh = parallel.make_worker_mesh(M, data=2)
   tx, (want, want_state, _) = hetero
   params = init_params()
-  payload = aso.push_bytes(params)
+  payload = outer.push_bytes(params)
   assert payload == 4 * (16 * 8 + 8)
   for phase in (False, (0, 2, 3)):
     report = parallel.collective_bytes(compiled(tx, phase, mesh), mesh)
-    want_bytes = aso.async_phase_bytes(params, phase)
+    want_bytes = outer.async_phase_bytes(params, phase)
     sent = report.cross_worker_bytes_per_worker
     if not phase:
       assert want_bytes == 0 and report.cross_worker_bytes == 0
@@ -338,10 +315,10 @@ def test_only_pushing_phases_cross_workers(hetero):
   lo, hi = report.cross_worker_bytes_range
   assert lo == 0 and 0.9 * payload * M <= hi <= 1.1 * payload * M
   # ... and it runs on the mesh with the numbers of the vmap simulation.
-  params = stack(init_params())
+  params = helpers.stack(init_params())
   state = jax.vmap(tx.init)(params)
   for k in range(TICKS):
-    params, state = program(params, state, worker_batches(k))
+    params, state = program(params, state, helpers.wide_batches(k))
   conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-6)
   conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-6)
   assert state.count.sharding.spec == jax.P('worker')
@@ -349,8 +326,8 @@ def test_only_pushing_phases_cross_workers(hetero):
 
 # ---------------------------------------------------- conformance, args ---
 def make_single(learning_rate):
-  return aso.async_local_sgd(optax.sgd(learning_rate), speeds=(3.0,),
-                             sync_every=2, axis_name=None)
+  return outer.async_local_sgd(optax.sgd(learning_rate), speeds=(3.0,),
+                               sync_every=2, axis_name=None)
 
 
 def test_one_worker_conformance(tmp_path):
@@ -359,8 +336,8 @@ def test_one_worker_conformance(tmp_path):
 
 def test_one_worker_with_plain_outer_is_the_inner_optimizer():
   inner = optax.adam(1e-2)
-  tx = aso.async_local_sgd(inner, speeds=(1.0,), sync_every=3,
-                           outer=optax.sgd(1.0), axis_name=None)
+  tx = outer.async_local_sgd(inner, speeds=(1.0,), sync_every=3,
+                             outer=optax.sgd(1.0), axis_name=None)
   got, _ = conf.run(tx, conf.example_params(), 7)
   want, _ = conf.run(inner, conf.example_params(), 7)
   conf.assert_trees_close(got, want)
@@ -373,20 +350,21 @@ def test_bf16_params_keep_fp32_server():
 
 
 def test_bad_phase_and_worker_count_raise():
-  tx = aso.async_local_sgd(optax.sgd(0.1), speeds=(1.0, 0.5, 1.0),
-                           sync_every=2)
+  tx = outer.async_local_sgd(optax.sgd(0.1), speeds=(1.0, 0.5, 1.0),
+                             sync_every=2)
 
   def trace(sync, m):
-    params = jax.eval_shape(lambda: stack(init_params(), m))
+    params = jax.eval_shape(lambda: helpers.stack(init_params(), m))
     state = jax.eval_shape(jax.vmap(tx.init), params)
-    jax.eval_shape(parallel.vmap_workers(make_step(tx, sync)), params, state,
-                   jax.eval_shape(lambda: worker_batches(0, m)))
+    jax.eval_shape(parallel.vmap_workers(helpers.train_step(tx, sync)),
+                   params, state,
+                   jax.eval_shape(lambda: helpers.wide_batches(0, m)))
 
   with pytest.raises(ValueError, match='speeds'):
     trace(False, 4)
   with pytest.raises(ValueError, match='axis_name'):
-    aso.async_local_sgd(optax.sgd(0.1), speeds=(1.0, 0.5), sync_every=2,
-                        axis_name=None)
+    outer.async_local_sgd(optax.sgd(0.1), speeds=(1.0, 0.5), sync_every=2,
+                          axis_name=None)
   for bad in (True, (1, 0), (0, 3), (0, 0), 'all'):
     with pytest.raises(ValueError, match='sync'):
       trace(bad, 3)

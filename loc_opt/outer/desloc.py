@@ -27,12 +27,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.inner import multi_timescale
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 ArrayLike = jax.typing.ArrayLike
@@ -68,21 +68,10 @@ class DeslocState(NamedTuple):
   num_syncs: jax.Array
 
 
-def _check_period(value: Any, what: str) -> int:
-  if isinstance(value, bool) or isinstance(value, jax.core.Tracer):
-    raise ValueError(f'{what} must be a positive int, got {value!r}')
-  array = np.asarray(value)
-  if array.ndim or not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(f'{what} must be a finite positive int, got {value!r}')
-  if int(array) <= 0:
-    raise ValueError(f'{what} must be a positive int, got {int(array)}')
-  return int(array)
-
-
 def _periods(sync_every: int,
              state_sync_every: Mapping[str, int] | None) -> dict[str, int]:
   """``{name: period}`` for ``'params'`` and every synced state field."""
-  k_x = _check_period(sync_every, 'sync_every')
+  k_x = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   if state_sync_every is None:
     state_sync_every = {name: factor * k_x
                         for name, factor in DEFAULT_STATE_FACTORS.items()}
@@ -91,7 +80,8 @@ def _periods(sync_every: int,
     if not isinstance(name, str) or name == PARAMS:
       raise ValueError(
           f'state_sync_every keys are state field names, got {name!r}')
-    periods[name] = _check_period(period, f'state_sync_every[{name!r}]')
+    periods[name] = _checks.positive_int(
+        period, f'state_sync_every[{name!r}]', arrays=True)
   return periods
 
 
@@ -161,6 +151,42 @@ def desloc_phase(count: int, periods: Mapping[str, int]) -> Phase:
   return due or False
 
 
+def _mean_fn(comm: compression.Comm | None) -> Callable[[Any], Any]:
+  """The mean over workers (each element sent once per worker on a mesh),
+  or the identity for one worker."""
+  return _local.identity if comm is None else comm.pmean
+
+
+def _sync_fields(inner_state: Any, names: Sequence[str],
+                 comm: compression.Comm | None) -> Any:
+  """``inner_state`` with the fields ``names`` averaged over workers."""
+  for name in names:
+    inner_state = map_state_field(inner_state, name, _mean_fn(comm))
+    inner_state = _local.varying_fn(comm)(inner_state)
+  return inner_state
+
+
+def _sync_params(outer: optax.GradientTransformation | None,
+                 comm: compression.Comm | None, state: DeslocState,
+                 params: optax.Params, inner_updates: optax.Updates
+                 ) -> tuple[Any, ...]:
+  """The parameter sync: ``(updates, anchor, outer state, 1)``."""
+  local = optax.apply_updates(params, inner_updates)
+  mean = _mean_fn(comm)
+  if outer is None:
+    anchor = mean(jax.tree.map(lambda a, x: x.astype(a.dtype), state.anchor,
+                               local))
+    outer_state = state.outer_state
+  else:
+    delta = mean(_local.pseudo_gradient(state.anchor, local))
+    outer_updates, outer_state = outer.update(
+        delta, state.outer_state, state.anchor)
+    anchor = optax.apply_updates(state.anchor, outer_updates)
+  new_updates = _local.updates_to(anchor, params)
+  return (*_local.varying_fn(comm)((new_updates, anchor, outer_state)),
+          jnp.ones([], jnp.int32))
+
+
 def desloc(
     inner: optax.GradientTransformation,
     *,
@@ -228,10 +254,10 @@ def desloc(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.desloc(optax.adamw(3e-4, b1=0.95, b2=0.9999),
-    ...                      sync_every=256)
-    >>> plan = desynced.desloc_plan(256)
+    >>> import loc_opt
+    >>> tx = loc_opt.desloc(optax.adamw(3e-4, b1=0.95, b2=0.9999),
+    ...                     sync_every=256)
+    >>> plan = loc_opt.outer.desloc_plan(256)
 
   References:
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
@@ -242,16 +268,10 @@ def desloc(
   inner = optax.with_extra_args_support(inner)
   comm = None if axis_name is None else compression.Comm(axis_name)
 
-  def mean(tree):
-    return tree if comm is None else comm.pmean(tree)
-
-  def varying(tree):
-    return tree if comm is None else comm.varying(tree)
-
   def init_fn(params):
     inner_state = inner.init(params)
     _check_fields(inner_state, fields)
-    anchor = init_anchor(params, anchor_dtype)
+    anchor = _local.init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return DeslocState(
         inner_state=inner_state,
@@ -262,32 +282,12 @@ def desloc(
     )
 
   def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('desloc needs params: call update(updates, state, '
-                       'params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
+    inner_updates, inner_state = _local.inner_step(
+        inner, 'desloc', updates, state.inner_state, params, extra_args)
     _check_fields(inner_state, fields)
 
-    def sync_field(name, inner_state):
-      return varying(map_state_field(inner_state, name, mean))
-
     def sync_params(_):
-      local = optax.apply_updates(params, inner_updates)
-      if outer is None:
-        anchor = mean(jax.tree.map(lambda a, x: x.astype(a.dtype),
-                                   state.anchor, local))
-        outer_state = state.outer_state
-      else:
-        delta = mean(jax.tree.map(lambda a, x: a - x.astype(a.dtype),
-                                  state.anchor, local))
-        outer_updates, outer_state = outer.update(
-            delta, state.outer_state, state.anchor)
-        anchor = optax.apply_updates(state.anchor, outer_updates)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
-      return (*varying((new_updates, anchor, outer_state)),
-              jnp.ones([], jnp.int32))
+      return _sync_params(outer, comm, state, params, inner_updates)
 
     def keep_params(_):
       return (inner_updates, state.anchor, state.outer_state,
@@ -299,14 +299,13 @@ def desloc(
 
       for name in fields:
         inner_state = jax.lax.cond(
-            due(name), lambda s, n=name: sync_field(n, s), lambda s: s,
-            inner_state)
+            due(name), lambda s, n=name: _sync_fields(s, (n,), comm),
+            lambda s: s, inner_state)
       out = jax.lax.cond(due(PARAMS), sync_params, keep_params, None)
     else:
       names = _phase_names(sync, periods)
-      for name in names:
-        if name != PARAMS:
-          inner_state = sync_field(name, inner_state)
+      inner_state = _sync_fields(
+          inner_state, [name for name in names if name != PARAMS], comm)
       out = sync_params(None) if PARAMS in names else keep_params(None)
     new_updates, anchor, outer_state, synced = out
     return new_updates, DeslocState(
@@ -347,14 +346,14 @@ def local_adam(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.local_adam(optax.adam(1e-3), sync_every=32)
+    >>> import loc_opt
+    >>> tx = loc_opt.local_adam(optax.adam(1e-3), sync_every=32)
 
   References:
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
     for Training Foundation Models*, 2025 (Local Adam is its baseline).
   """
-  k = _check_period(sync_every, 'sync_every')
+  k = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   return desloc(inner, sync_every=k,
                 state_sync_every={name: k for name in state_fields},
                 outer=outer, axis_name=axis_name, anchor_dtype=anchor_dtype)
@@ -405,8 +404,8 @@ def mt_dao(
     An ``optax.GradientTransformationExtraArgs``.
 
   Example:
-    >>> from loc_opt.outer import desynced
-    >>> tx = desynced.mt_dao(3e-4, sync_every=32, b2=0.9999)
+    >>> import loc_opt
+    >>> tx = loc_opt.mt_dao(3e-4, sync_every=32, b2=0.9999)
 
   References:
     Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
@@ -415,16 +414,17 @@ def mt_dao(
   inner = multi_timescale.multi_timescale_adam(
       learning_rate, slow_betas=slow_betas, slow_weights=slow_weights, b2=b2,
       eps=eps, weight_decay=weight_decay, mask=mask, mu_dtype=mu_dtype)
-  k_x = _check_period(sync_every, 'sync_every')
+  k_x = _checks.positive_int(sync_every, 'sync_every', arrays=True)
+
+  def period(value, name):
+    return k_x if value is None else _checks.positive_int(value, name,
+                                                          arrays=True)
+
   return desloc(
       inner,
       sync_every=k_x,
-      state_sync_every={
-          'slow': (k_x if slow_sync_every is None
-                   else _check_period(slow_sync_every, 'slow_sync_every')),
-          'nu': (k_x if nu_sync_every is None
-                 else _check_period(nu_sync_every, 'nu_sync_every')),
-      },
+      state_sync_every={'slow': period(slow_sync_every, 'slow_sync_every'),
+                        'nu': period(nu_sync_every, 'nu_sync_every')},
       outer=outer,
       axis_name=axis_name,
       anchor_dtype=anchor_dtype,
@@ -449,8 +449,8 @@ def desloc_plan(
     A :class:`loc_opt.outer.plan.Plan`.
 
   Example:
-    >>> from loc_opt.outer import desynced
-    >>> plan = desynced.desloc_plan(2)
+    >>> from loc_opt import outer
+    >>> plan = outer.desloc_plan(2)
     >>> [plan(c) for c in range(6)]
     [False, ('params',), False, ('params',), False, ('mu', 'params')]
   """
@@ -466,7 +466,7 @@ def desloc_eval_params(state: DeslocState, params: optax.Params) -> Any:
   Between parameter syncs the workers' parameters drift apart; the anchor
   is the one model they share.
   """
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def _tree_bytes(tree: Any) -> int:

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 Groups = tuple[tuple[int, ...], ...]
@@ -54,12 +55,8 @@ class NolocoState(NamedTuple):
 
 
 def _check_group_size(num_workers: int, group_size: int) -> None:
-  if isinstance(group_size, bool) or int(group_size) != group_size:
-    raise ValueError(f'group_size must be an int, got {group_size!r}')
-  if group_size <= 0:
-    raise ValueError(f'group_size must be positive, got {group_size}')
-  if num_workers <= 0:
-    raise ValueError(f'num_workers must be positive, got {num_workers}')
+  _checks.positive_int(group_size, 'group_size', arrays=True)
+  _checks.positive_int(num_workers, 'num_workers', arrays=True)
   if num_workers % group_size:
     raise ValueError(f'group_size={group_size} must divide the number of '
                      f'workers num_workers={num_workers}')
@@ -67,12 +64,8 @@ def _check_group_size(num_workers: int, group_size: int) -> None:
 
 def _check_sync_every(sync_every: Any) -> None:
   """A positive int (or a concrete int array); traced values pass."""
-  if isinstance(sync_every, jax.core.Tracer):
-    return
-  value = np.asarray(sync_every) if not isinstance(sync_every, bool) else None
-  if (value is None or value.ndim
-      or not np.issubdtype(value.dtype, np.integer) or int(value) <= 0):
-    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
+  if not _checks.is_traced(sync_every):
+    _checks.positive_int(sync_every, 'sync_every', arrays=True)
 
 
 def _round_key(seed: int, round_index: Any) -> jax.Array:
@@ -160,6 +153,36 @@ def _group_sum(own: Any, received: list[Any]) -> Any:
                       own, *received)
 
 
+def _exchange_static(comm: compression.Comm, payload: Any, groups: Groups,
+                     group_size: int) -> list[Any]:
+  """What each shift's peer sent, by ring shifts inside static groups."""
+  received = []
+  for shift in range(1, group_size):
+    perm = [(g[k], g[(k + shift) % group_size])
+            for g in groups for k in range(group_size)]
+    received.append(comm.ppermute(payload, perm))
+  return received
+
+
+def _exchange_dynamic(comm: compression.Comm | None, payload: Any,
+                      round_index: jax.Array, seed: int, group_size: int
+                      ) -> list[Any]:
+  """The same peers' payloads from groups computed on device (an
+  all-gather over all workers, then a dynamic index)."""
+  if group_size == 1:
+    return []
+  ids = noloco_group_ids(seed, round_index, comm.size(), group_size)
+  me = comm.index()
+  members = jnp.nonzero(ids == ids[me], size=group_size)[0]
+  k = jnp.argmax(members == me)
+  gathered = comm.all_gather(payload)
+  received = []
+  for shift in range(1, group_size):
+    src = members[(k - shift) % group_size]
+    received.append(jax.tree.map(lambda x: x[src], gathered))
+  return received
+
+
 def noloco(
     inner: optax.GradientTransformation,
     *,
@@ -241,18 +264,15 @@ def noloco(
 
   Example:
     >>> import optax, loc_opt
-    >>> from loc_opt.outer import no_allreduce
-    >>> tx = no_allreduce.noloco(optax.adamw(6e-4), sync_every=50)
-    >>> plan = no_allreduce.noloco_plan(50, num_workers=8)
+    >>> tx = loc_opt.noloco(optax.adamw(6e-4), sync_every=50)
+    >>> plan = loc_opt.outer.noloco_plan(50, num_workers=8)
 
   References:
     Kolehmainen, Blagoev, Donaghy, Ersoy, Nies, *NoLoCo: No-all-reduce Low
     Communication Training Method for Large Models*, 2025.
   """
   _check_sync_every(sync_every)
-  if (isinstance(group_size, bool) or not isinstance(group_size, int)
-      or group_size <= 0):
-    raise ValueError(f'group_size must be a positive int, got {group_size!r}')
+  _checks.positive_int(group_size, 'group_size')
   if axis_name is None and group_size != 1:
     raise ValueError(f'group_size={group_size} needs workers: pass an '
                      'axis_name, or group_size=1 for one worker')
@@ -263,105 +283,40 @@ def noloco(
   def num_workers():
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)
 
-  def exchange_static(payload, groups):
-    """What each shift's peer sent, by ring shifts inside static groups."""
-    received = []
-    for shift in range(1, group_size):
-      perm = [(g[k], g[(k + shift) % group_size])
-              for g in groups for k in range(group_size)]
-      received.append(comm.ppermute(payload, perm))
-    return received
-
-  def exchange_dynamic(payload, round_index):
-    """The same peers' payloads from groups computed on device."""
-    if group_size == 1:
-      return []
-    m = num_workers()
-    ids = noloco_group_ids(seed, round_index, m, group_size)
-    me = comm.index()
-    members = jnp.nonzero(ids == ids[me], size=group_size)[0]
-    k = jnp.argmax(members == me)
-    gathered = comm.all_gather(payload)
-    received = []
-    for shift in range(1, group_size):
-      src = members[(k - shift) % group_size]
-      received.append(jax.tree.map(lambda x: x[src], gathered))
-    return received
-
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    return NolocoState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        momentum=jax.tree.map(jnp.zeros_like, anchor),
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-    )
-
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('noloco needs params: call update(updates, state, '
-                       'params)')
-    groups = None
+  def phase(sync):
+    """``(branch phase, static groups or None)`` of the ``sync`` argument."""
     if sync is not None and not isinstance(sync, bool):
-      groups = _check_groups(sync, num_workers(), group_size)
-    elif num_workers() % group_size:
+      return True, _check_groups(sync, num_workers(), group_size)
+    if num_workers() % group_size:
       raise ValueError(f'group_size={group_size} must divide the number of '
                        f'workers {num_workers()}')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args
-    )
+    return sync, None
 
-    def outer_step(groups):
-      local = optax.apply_updates(params, inner_updates)
-      delta = jax.tree.map(
-          lambda a, x: a - x.astype(a.dtype), state.anchor, local
-      )
-      payload = (state.anchor, delta)
-      if groups is not None:
-        received = exchange_static(payload, groups)
-      else:
-        received = exchange_dynamic(payload, state.num_syncs)
-      mean_anchor, mean_delta = jax.tree.map(
-          lambda s: s / group_size, _group_sum(payload, received))
-      momentum_ = jax.tree.map(
-          lambda v, d, a, ma: (momentum * v - learning_rate * d
-                               - consensus * (a - ma)).astype(v.dtype),
-          state.momentum, mean_delta, state.anchor, mean_anchor)
-      anchor = jax.tree.map(lambda a, v: a + v, state.anchor, momentum_)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params
-      )
-      out = (new_updates, anchor, momentum_)
-      if comm is not None:
-        out = comm.varying(out)
-      return out + (jnp.ones([], jnp.int32),)
+  init_fn = _local.periodic_init(
+      NolocoState, inner, anchor_dtype,
+      lambda anchor: dict(momentum=jax.tree.map(jnp.zeros_like, anchor)))
 
-    def inner_only(_):
-      out = (inner_updates, state.anchor, state.momentum)
-      if comm is not None:
-        out = comm.varying(out)
-      return out + (jnp.zeros([], jnp.int32),)
+  def sync_step(state, params, local, groups):
+    payload = (state.anchor, _local.pseudo_gradient(state.anchor, local))
+    if groups is not None:
+      received = _exchange_static(comm, payload, groups, group_size)
+    else:
+      received = _exchange_dynamic(comm, payload, state.num_syncs, seed,
+                                   group_size)
+    mean_anchor, mean_delta = jax.tree.map(
+        lambda s: s / group_size, _group_sum(payload, received))
+    momentum_ = jax.tree.map(
+        lambda v, d, a, ma: (momentum * v - learning_rate * d
+                             - consensus * (a - ma)).astype(v.dtype),
+        state.momentum, mean_delta, state.anchor, mean_anchor)
+    anchor = jax.tree.map(lambda a, v: a + v, state.anchor, momentum_)
+    return _local.updates_to(anchor, params), dict(anchor=anchor,
+                                                   momentum=momentum_)
 
-    out = plan_lib.branch(
-        None if sync is None else sync is not False,
-        lambda: state.steps_since_sync + 1 >= sync_every,
-        lambda: outer_step(groups), lambda: inner_only(None))
-    new_updates, anchor, momentum_, synced = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = NolocoState(
-        inner_state=inner_state,
-        anchor=anchor,
-        momentum=momentum_,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='noloco', sync_step=sync_step,
+      fields=('anchor', 'momentum'), phase=phase,
+      varying=_local.varying_fn(comm))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -400,7 +355,7 @@ def noloco_eval_params(state: NolocoState, params: optax.Params) -> Any:
   different forever. Evaluate one worker's (say worker 0, and report it) or
   the mean over workers.
   """
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def noloco_bytes(params: Any, dtype: Any = jnp.float32) -> int:
@@ -409,5 +364,4 @@ def noloco_bytes(params: Any, dtype: Any = jnp.float32) -> int:
   Two params-sized tensors at ``dtype`` (8 B/param in fp32). With
   ``group_size = n`` each worker sends this to ``n - 1`` peers.
   """
-  size = sum(int(x.size) for x in jax.tree.leaves(params))
-  return 2 * size * jnp.dtype(dtype).itemsize
+  return 2 * _local.num_params(params) * jnp.dtype(dtype).itemsize

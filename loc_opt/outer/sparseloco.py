@@ -21,17 +21,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.compression import dct
 from loc_opt.compression import quant
-from loc_opt.outer import decoupled
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
+from loc_opt.outer._tiles import check_tile_args
+from loc_opt.outer._tiles import exchange
+from loc_opt.outer._tiles import SparseTiles
+from loc_opt.outer._tiles import tree_bytes
+from loc_opt.outer._tiles import UINT12
 
-UINT12 = decoupled.UINT12
 # SparseLoCo's k is given for 64 x 64 tiles.
 REFERENCE_TILE = 4096
 
@@ -74,25 +77,46 @@ def _value_codec(value_codec: Any) -> compression.Codec | None:
   return value_codec
 
 
-def _check_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
-      value < 1):
-    raise ValueError(f'{name} must be a positive int, got {value!r}')
-  return int(value)
-
-
 def sparseloco_tiles(topk: int = 128, tile: int = 64, *,
                      value_codec: Any = 'two_bit',
-                     index_dtype: Any = UINT12) -> decoupled.SparseTiles:
+                     index_dtype: Any = UINT12) -> SparseTiles:
   """SparseLoCo's wire format: per tile the ``scaled_k`` largest entries of
   the buffer (no DCT), values through ``value_codec``."""
-  topk = _check_int('topk', topk)
-  tile = _check_int('tile', tile)
-  decoupled.check_tile_args(topk, tile, index_dtype)
-  return decoupled.SparseTiles(
+  topk = _checks.positive_int(topk, 'topk', arrays=True)
+  tile = _checks.positive_int(tile, 'tile', arrays=True)
+  check_tile_args(topk, tile, index_dtype)
+  return SparseTiles(
       k=lambda n, kk=topk: dct.scaled_k(kk, n, REFERENCE_TILE),
       chunk=tile, use_dct=False, index_dtype=index_dtype,
       value_codec=_value_codec(value_codec))
+
+
+def _sparse_mean(tiles: SparseTiles, comm: compression.Comm | None,
+                 aggregate: str, error: Any, num_syncs: jax.Array
+                 ) -> tuple[Any, Any]:
+  """The sync's exchange: every leaf of the buffer ``error`` is encoded,
+  what was sent leaves the buffer, and the messages of all workers are
+  all-gathered and averaged.
+
+  Returns:
+    ``(mean, error)``: the float32 average of the messages and the buffer
+    after extraction.
+  """
+  codec = tiles.value_codec
+  key = jax.random.fold_in(jax.random.key(0), num_syncs)
+  enc_key = key
+  if (codec is not None and codec.randomness == 'per_worker'
+      and comm is not None):
+    enc_key = jax.random.fold_in(key, comm.index())
+  leaves, treedef = jax.tree.flatten(error)
+  encoded = [tiles.encode(e, enc_key) for e in leaves]
+  error = treedef.unflatten(
+      [e - s.astype(e.dtype) for e, (_, s) in zip(leaves, encoded)])
+  gathered = exchange([msg for msg, _ in encoded], comm)
+  mean = treedef.unflatten(
+      [tiles.mean(w, e.shape, key, aggregate=aggregate)
+       for w, e in zip(gathered, leaves)])
+  return mean, error
 
 
 def sparseloco(
@@ -173,107 +197,55 @@ def sparseloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import sparse_outer
-    >>> tx = sparse_outer.sparseloco(optax.adamw(1e-3), sync_every=15)
+    >>> import loc_opt
+    >>> tx = loc_opt.sparseloco(optax.adamw(1e-3), sync_every=15)
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM
     Pre-training with SparseLoCo*, 2025.
   """
-  sync_every = _check_int('sync_every', sync_every)
-  if aggregate not in dct.AGGREGATES:
-    raise ValueError(f'aggregate must be one of {dct.AGGREGATES}, got '
-                     f'{aggregate!r}')
-  if not isinstance(ef_decay, jax.core.Tracer):
-    if not 0.0 <= float(ef_decay) <= 1.0:
-      raise ValueError(f'ef_decay must be in [0, 1], got {ef_decay}')
+  sync_every = _checks.positive_int(sync_every, 'sync_every', arrays=True)
+  _checks.one_of(aggregate, 'aggregate', dct.AGGREGATES)
+  if not _checks.is_traced(ef_decay):
+    _checks.in_interval(ef_decay, 'ef_decay', 0, 1)
   tiles = sparseloco_tiles(topk, tile, value_codec=value_codec,
                            index_dtype=index_dtype)
-  codec = tiles.value_codec
   inner = optax.with_extra_args_support(inner)
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    return SparselocoState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        error=jax.tree.map(jnp.zeros_like, anchor),
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-    )
+  init_fn = _local.periodic_init(
+      SparselocoState, inner, anchor_dtype,
+      lambda anchor: dict(error=jax.tree.map(jnp.zeros_like, anchor)))
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('sparseloco needs params: call update(updates, state, '
-                       'params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
+  def sync_step(state, params, local, _):
+    delta = _local.pseudo_gradient(state.anchor, local)
+    error = jax.tree.map(lambda e, d: ef_decay * e + d, state.error, delta)
+    mean, error = _sparse_mean(tiles, comm, aggregate, error, state.num_syncs)
+    lr = (learning_rate(state.num_syncs) if callable(learning_rate)
+          else learning_rate)
+    anchor = jax.tree.map(lambda a, m: a - (lr * m).astype(a.dtype),
+                          state.anchor, mean)
+    return _local.updates_to(anchor, params), dict(anchor=anchor,
+                                                   error=error)
 
-    def outer_step(_):
-      local = optax.apply_updates(params, inner_updates)
-      error = jax.tree.map(
-          lambda e, a, x: ef_decay * e + (a - x.astype(a.dtype)),
-          state.error, state.anchor, local)
-      key = jax.random.fold_in(jax.random.key(0), state.num_syncs)
-      enc_key = key
-      if (codec is not None and codec.randomness == 'per_worker'
-          and comm is not None):
-        enc_key = jax.random.fold_in(key, comm.index())
-      leaves, treedef = jax.tree.flatten(error)
-      encoded = [tiles.encode(e, enc_key) for e in leaves]
-      error = treedef.unflatten(
-          [e - s.astype(e.dtype) for e, (_, s) in zip(leaves, encoded)])
-      gathered = decoupled.exchange([msg for msg, _ in encoded], comm)
-      mean = treedef.unflatten(
-          [tiles.mean(w, e.shape, key, aggregate=aggregate)
-           for w, e in zip(gathered, leaves)])
-      lr = (learning_rate(state.num_syncs) if callable(learning_rate)
-            else learning_rate)
-      anchor = jax.tree.map(lambda a, m: a - (lr * m).astype(a.dtype),
-                            state.anchor, mean)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor,
-          params)
-      out = (new_updates, anchor, error, jnp.ones([], jnp.int32))
-      return comm.varying(out) if comm is not None else out
-
-    def inner_only(_):
-      out = (inner_updates, state.anchor, state.error,
-             jnp.zeros([], jnp.int32))
-      return comm.varying(out) if comm is not None else out
-
-    out = plan_lib.branch(
-        sync, lambda: state.steps_since_sync + 1 >= sync_every,
-        lambda: outer_step(None), lambda: inner_only(None))
-    new_updates, anchor, error, synced = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = SparselocoState(
-        inner_state=inner_state,
-        anchor=anchor,
-        error=error,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='sparseloco', sync_step=sync_step,
+      fields=('anchor', 'error'), phase=_local.any_phase,
+      varying=_local.varying_fn(comm))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def sparseloco_plan(sync_every: int) -> plan_lib.Plan:
   """Phases of :func:`sparseloco`: ``True`` at counts ``H - 1, 2H - 1, ...``,
   else ``False`` (no communication)."""
-  return plan_lib.Plan(plan_lib.every(_check_int('sync_every', sync_every)))
+  return plan_lib.Plan(plan_lib.every(
+      _checks.positive_int(sync_every, 'sync_every', arrays=True)))
 
 
 def sparseloco_eval_params(state: SparselocoState,
                            params: optax.Params) -> Any:
   """The weights to evaluate: the anchor ``phi`` in params dtypes."""
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def sparseloco_payload_bytes(
@@ -295,5 +267,4 @@ def sparseloco_payload_bytes(
   """
   tiles = sparseloco_tiles(topk, tile, value_codec=value_codec,
                            index_dtype=index_dtype)
-  return sum(tiles.payload_bytes(jnp.shape(x))
-             for x in jax.tree.leaves(params))
+  return tree_bytes(tiles, params)

@@ -1,7 +1,5 @@
 """Tests of EDiT: DiLoCo equivalence, anomaly drop, weights, clip, bytes."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,18 +7,17 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
-from loc_opt.outer import robust_average as ra
+from loc_opt import outer
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 DIRECTION = jnp.array([0.6, 0.8])  # a unit vector
 
 
 def make_edit(learning_rate):
-  return ra.edit_diloco(optax.adam(learning_rate), sync_every=3,
-                        axis_name=None, warmup_syncs=1, clip_norm=1.0)
+  return outer.edit_diloco(optax.adam(learning_rate), sync_every=3,
+                           axis_name=None, warmup_syncs=1, clip_norm=1.0)
 
 
 def test_conformance(tmp_path):
@@ -29,11 +26,11 @@ def test_conformance(tmp_path):
 
 def test_no_penalty_is_diloco():
   kw = dict(sync_every=3)
-  got, state = td.run_workers(
-      ra.edit_diloco(optax.adam(1e-2), z_threshold=float('inf'),
-                     temperature=float('inf'), **kw), 10)
-  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
-                                    10)
+  got, state = helpers.run_workers(
+      outer.edit_diloco(optax.adam(1e-2), z_threshold=float('inf'),
+                        temperature=float('inf'), **kw), 10)
+  want, want_state = helpers.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
+                                         10)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
                           atol=1e-7)
@@ -47,13 +44,8 @@ def run_syncs(tx, norms, m=M):
   ``norms[s][k] * DIRECTION``. Returns the params and state after each
   sync."""
 
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack({'x': jnp.array([1.0, -2.0])}, m)
+  step = helpers.grads_step(tx)
+  params = helpers.stack({'x': jnp.array([1.0, -2.0])}, m)
   state = jax.vmap(tx.init)(params)
   out = [(params, state)]
   for row in norms:
@@ -64,8 +56,8 @@ def run_syncs(tx, norms, m=M):
 
 
 def test_softmax_weights_by_hand():
-  tx = ra.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
-                      z_threshold=float('inf'), temperature=2.0)
+  tx = outer.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
+                         z_threshold=float('inf'), temperature=2.0)
   (_, _), (p1, s1) = run_syncs(tx, [[1.0, 2.0, 3.0, 4.0]])
   # w_m = exp(-n_m / 2) / sum_j exp(-n_j / 2), larger norm => less weight.
   want_w = [0.45505423, 0.27600434, 0.1674051, 0.10153632]
@@ -74,7 +66,7 @@ def test_softmax_weights_by_hand():
   want = jnp.array([1.0, -2.0]) - 1.9154235 * DIRECTION
   np.testing.assert_allclose(p1['x'], np.broadcast_to(want, (M, 2)),
                              rtol=1e-5)
-  np.testing.assert_allclose(ra.edit_eval_params(s1, p1)['x'], p1['x'])
+  np.testing.assert_allclose(outer.edit_eval_params(s1, p1)['x'], p1['x'])
 
 
 # Norms at four syncs; worker 3 spikes 100x at the fourth.
@@ -82,8 +74,8 @@ NORMS = [[1.0] * 4, [1.2] * 4, [0.8] * 4, [1.1, 1.1, 1.1, 110.0]]
 
 
 def test_spiking_worker_is_dropped_after_warmup():
-  tx = ra.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
-                      warmup_syncs=3, temperature=float('inf'))
+  tx = outer.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
+                         warmup_syncs=3, temperature=float('inf'))
   out = run_syncs(tx, NORMS)
   for s in range(1, 4):  # equal norms: equal weights, nobody dropped
     np.testing.assert_array_equal(out[s][1].num_dropped, 0)
@@ -104,15 +96,15 @@ def test_spiking_worker_is_dropped_after_warmup():
 
 
 def test_no_drop_during_warmup_and_all_dropped_falls_back_to_mean():
-  tx = ra.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
-                      warmup_syncs=4, temperature=float('inf'))
+  tx = outer.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
+                         warmup_syncs=4, temperature=float('inf'))
   *_, (p3, _), (p4, s4) = run_syncs(tx, NORMS)
   np.testing.assert_array_equal(s4.num_dropped, 0)  # still warming up
   np.testing.assert_allclose(p4['x'][0] - p3['x'][0],
                              -(3.3 + 110) / 4 * DIRECTION, rtol=1e-5)
   # One worker: its spike is flagged, but with nobody left it is kept.
-  tx = ra.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
-                      warmup_syncs=3, axis_name=None)
+  tx = outer.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
+                         warmup_syncs=3, axis_name=None)
   params = {'x': jnp.zeros(2)}
   state = tx.init(params)
   for norm in (1.0, 1.2, 0.8, 110.0):
@@ -126,8 +118,8 @@ def test_no_drop_during_warmup_and_all_dropped_falls_back_to_mean():
 
 @pytest.mark.parametrize('clip_norm, moved', [(0.5, 0.5), (10.0, 2.5)])
 def test_clip_bounds_the_aggregate(clip_norm, moved):
-  tx = ra.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
-                      temperature=float('inf'), clip_norm=clip_norm)
+  tx = outer.edit_diloco(optax.sgd(1.0), sync_every=1, outer=optax.sgd(1.0),
+                         temperature=float('inf'), clip_norm=clip_norm)
   (p0, _), (p1, _) = run_syncs(tx, [[1.0, 2.0, 3.0, 4.0]])
   # The mean pseudo-gradient has norm 2.5; the outer step moves phi by it.
   np.testing.assert_allclose(p0['x'] - p1['x'],
@@ -136,27 +128,19 @@ def test_clip_bounds_the_aggregate(clip_norm, moved):
 
 
 def test_plan_matches_cond_program():
-  tx = ra.edit_diloco(optax.adam(1e-2), sync_every=3, warmup_syncs=1,
-                      temperature=0.01, clip_norm=0.05)
-  plan = ra.edit_plan(3)
-
-  params, state, programs = td.run_planned(tx, plan, 9)
-  assert set(programs) == {False, True}
-  want, want_state = td.run_workers(tx, 9)
-  conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
-  conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
+  tx = outer.edit_diloco(optax.adam(1e-2), sync_every=3, warmup_syncs=1,
+                         temperature=0.01, clip_norm=0.05)
+  state = helpers.check_plan_matches_cond(tx, outer.edit_plan(3), 9)
   assert int(state.num_syncs[0]) == 3
   # The weights are not uniform (temperature 0.01 on differing norms).
   assert np.ptp(np.asarray(state.weight)) > 0.01
 
 
 def test_shard_map_runner_matches_vmap_runner():
-  mesh = parallel.make_worker_mesh(M, data=2)
-  tx = ra.edit_diloco(optax.adam(1e-2), sync_every=2, warmup_syncs=1,
-                      temperature=0.01, clip_norm=0.05)
-  want, want_state = td.run_workers(tx, 4)
-  got, state = td.run_workers(
-      tx, 4, runner=functools.partial(parallel.shard_map_workers, mesh=mesh))
+  tx = outer.edit_diloco(optax.adam(1e-2), sync_every=2, warmup_syncs=1,
+                         temperature=0.01, clip_norm=0.05)
+  want, want_state = helpers.run_workers(tx, 4)
+  got, state = helpers.run_sharded(tx, 4)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   conf.assert_trees_close(state.weight, want_state.weight, rtol=1e-5)
 
@@ -165,37 +149,25 @@ def test_bad_arguments_raise():
   sgd = optax.sgd(0.1)
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match='sync_every'):
-      ra.edit_diloco(sgd, sync_every=bad)
+      outer.edit_diloco(sgd, sync_every=bad)
   cases = dict(ewma=[0.0, 1.5, True], warmup_syncs=[0, 2.0],
                z_threshold=[0.0, -1.0], temperature=[0.0, -2.0],
                clip_norm=[0.0, float('inf')])
   for name, values in cases.items():
     for bad in values:
       with pytest.raises(ValueError, match=name):
-        ra.edit_diloco(sgd, sync_every=2, **{name: bad})
+        outer.edit_diloco(sgd, sync_every=2, **{name: bad})
   tx = make_edit(0.1)
   params = conf.example_params()
   with pytest.raises(ValueError, match='sync'):
     tx.update(params, tx.init(params), params, sync=(0, 1))
   with pytest.raises(ValueError, match='sync_every'):
-    ra.edit_plan(0)
+    outer.edit_plan(0)
 
 
 def test_hlo_bytes():
-  mesh = parallel.make_worker_mesh(M, data=2)
-  tx = ra.edit_diloco(optax.sgd(0.1), sync_every=3, clip_norm=1.0)
-  params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-
-  def report(sync):
-    return td.phase_report(tx, params, sync, mesh)
-
-  theory = ra.edit_bytes(jax.tree.map(lambda x: x[0], params))
+  tx = outer.edit_diloco(optax.sgd(0.1), sync_every=3, clip_norm=1.0)
+  params = helpers.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
+  theory = outer.edit_bytes(helpers.worker(params, 0))
   assert theory == 4 * (512 + 16) + 8
-  assert report(False).cross_worker_bytes_range == (0, 0)
-  np.testing.assert_allclose(report(True).cross_worker_bytes_per_worker,
-                             theory, rtol=0.1)
-  cond = report(None)
-  assert cond.cross_worker_bytes == 0
-  (branches,) = cond.branches.values()
-  assert sorted(branches)[0] == 0
-  np.testing.assert_allclose(sorted(branches)[1] / M, theory, rtol=0.1)
+  helpers.check_two_phase_bytes(tx, params, theory)

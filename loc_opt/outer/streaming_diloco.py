@@ -27,11 +27,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-# `loc_opt.outer.diloco` is shadowed by the function of that name.
-from loc_opt.outer.diloco import nesterov_outer
-from loc_opt.outer.diloco import pseudo_gradient_bytes
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 FragmentFn = Callable[[Any, Any], int]
@@ -70,12 +68,6 @@ class StreamingDilocoState(NamedTuple):
 
 
 # ------------------------------------------------------------ fragments ---
-def _positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f'{name} must be a positive int, got {value!r}')
-  return value
-
-
 def fragment_ids(
     params: Any,
     num_fragments: int,
@@ -119,9 +111,8 @@ def fragment_ids(
   Example:
     >>> ids = fragment_ids(params, 3)  # non-block | even | odd layers
   """
-  _positive_int('num_fragments', num_fragments)
-  if pattern not in PATTERNS:
-    raise ValueError(f'pattern must be one of {PATTERNS}, got {pattern!r}')
+  _checks.positive_int(num_fragments, 'num_fragments')
+  _checks.one_of(pattern, 'pattern', PATTERNS)
   regex = re.compile(block_pattern)
   if regex.groups < 1:
     raise ValueError(
@@ -195,7 +186,7 @@ def _groups(ids: tuple[int, ...], num_fragments: int) -> list[list[int]]:
 
 def _num_fragments(num_fragments: int | None, fragments: Any) -> int:
   if num_fragments is not None:
-    return _positive_int('num_fragments', num_fragments)
+    return _checks.positive_int(num_fragments, 'num_fragments')
   if fragments is None or callable(fragments):
     raise ValueError('streaming_diloco needs num_fragments unless fragments '
                      'is a tree of ints')
@@ -208,8 +199,8 @@ def _num_fragments(num_fragments: int | None, fragments: Any) -> int:
 # ------------------------------------------------------------- schedule ---
 def _check_schedule(sync_every: int, num_fragments: int, overlap: int
                     ) -> None:
-  _positive_int('sync_every', sync_every)
-  _positive_int('num_fragments', num_fragments)
+  _checks.positive_int(sync_every, 'sync_every')
+  _checks.positive_int(num_fragments, 'num_fragments')
   if sync_every % num_fragments:
     raise ValueError(
         f'sync_every={sync_every} must be a multiple of num_fragments='
@@ -266,6 +257,137 @@ def streaming_plan(sync_every: int, num_fragments: int, overlap: int = 0
 
 
 # ------------------------------------------------------------ transform ---
+class _Config(NamedTuple):
+  """The static settings of one :func:`streaming_diloco` transform."""
+
+  num_fragments: int
+  sync_every: int
+  overlap: int
+  alpha: float
+  outer: optax.GradientTransformation
+  compressor: compression.Compressor | None
+  comm: compression.Comm | None
+  codec_seed: int
+
+  def varying(self, tree: Any) -> Any:
+    return _local.varying_fn(self.comm)(tree)
+
+
+def _init(cfg: _Config, inner: optax.GradientTransformation,
+          params: optax.Params, groups: list[list[int]],
+          anchor_dtype: Any) -> StreamingDilocoState:
+  """The initial state: one outer state (and in-flight buffer, and codec
+  state) per fragment, over the list of its anchor leaves."""
+  anchor = _local.init_anchor(params, anchor_dtype)
+  a_leaves = jax.tree.leaves(anchor)
+  parts = [[a_leaves[i] for i in g] for g in groups]
+  zeros = jnp.zeros([cfg.num_fragments], jnp.int32)
+  return StreamingDilocoState(
+      inner_state=inner.init(params),
+      anchor=anchor,
+      outer_state=tuple(cfg.outer.init(part) for part in parts),
+      in_flight=(tuple([jnp.zeros_like(x) for x in part] for part in parts)
+                 if cfg.overlap else ()),
+      count=jnp.zeros([], jnp.int32),
+      sends=zeros,
+      applies=zeros,
+      codec_state=(() if cfg.compressor is None else
+                   tuple(cfg.compressor.init(part) for part in parts)),
+  )
+
+
+class _Step:
+  """One update: its settings, the state, and the leaves of the params, the
+  inner updates and the anchor (tree-flatten order)."""
+
+  def __init__(self, cfg: _Config, state: StreamingDilocoState,
+               groups: list[list[int]], params: optax.Params,
+               inner_updates: optax.Updates):
+    self.cfg, self.state, self.groups = cfg, state, groups
+    self.p_leaves, self.treedef = jax.tree.flatten(params)
+    self.u_leaves = self.treedef.flatten_up_to(inner_updates)
+    self.a_leaves = jax.tree.leaves(state.anchor)
+
+  def local(self, i: int) -> jax.Array:
+    """``theta' = theta + u`` of leaf ``i``, in params dtype."""
+    return optax.apply_updates(self.p_leaves[i], self.u_leaves[i])
+
+  def mean_delta(self, p: int, codec_states: Any) -> tuple[list[Any], Any]:
+    """Fragment ``p``'s pseudo-gradient averaged over workers, and the
+    codec states with fragment ``p``'s updated."""
+    cfg, idx = self.cfg, self.groups[p]
+    delta = _local.pseudo_gradient([self.a_leaves[i] for i in idx],
+                                   [self.local(i) for i in idx])
+    if cfg.compressor is None:
+      return (delta if cfg.comm is None else cfg.comm.pmean(delta),
+              codec_states)
+    delta, _, cs = _local.codec_mean(
+        cfg.compressor, cfg.comm, cfg.codec_seed, self.state.count, delta,
+        codec_states[p])
+    return delta, codec_states[:p] + (cs,) + codec_states[p + 1:]
+
+  def run(self, send: int | None, apply: int | None) -> tuple[Any, ...]:
+    """The new (updates, anchor, outer, in_flight, codec, sends, applies)
+    leaves of the phase ``(send, apply)``."""
+    cfg, state = self.cfg, self.state
+    out_u, anchor = list(self.u_leaves), list(self.a_leaves)
+    outer_state, in_flight = state.outer_state, state.in_flight
+    codec_states = state.codec_state
+    sends, applies = state.sends, state.applies
+    mean = None
+    if send is not None:
+      mean, codec_states = self.mean_delta(send, codec_states)
+      sends = sends + jax.nn.one_hot(send, cfg.num_fragments,
+                                     dtype=jnp.int32)
+      if cfg.overlap:
+        in_flight = (in_flight[:send] + (mean,) + in_flight[send + 1:])
+    if apply is not None:
+      if cfg.overlap:
+        mean = state.in_flight[apply]
+      idx = self.groups[apply]
+      part = [self.a_leaves[i] for i in idx]
+      outer_updates, new_outer = cfg.outer.update(
+          mean, outer_state[apply], part)
+      part = optax.apply_updates(part, outer_updates)
+      outer_state = (outer_state[:apply] + (new_outer,)
+                     + outer_state[apply + 1:])
+      for i, a in zip(idx, part):
+        anchor[i] = a
+        target = a
+        if cfg.alpha:
+          target = (cfg.alpha * self.local(i).astype(a.dtype)
+                    + (1 - cfg.alpha) * a)
+        out_u[i] = _local.updates_to(target, self.p_leaves[i])
+      applies = applies + jax.nn.one_hot(apply, cfg.num_fragments,
+                                         dtype=jnp.int32)
+    return cfg.varying((out_u, anchor, outer_state, in_flight, codec_states,
+                        sends, applies))
+
+
+def _switch(step: _Step) -> tuple[Any, ...]:
+  """:meth:`_Step.run` of the phase due at ``state.count``, chosen on
+  device with ``lax.switch`` over every phase of the method."""
+  cfg = step.cfg
+  p_count, overlap = cfg.num_fragments, cfg.overlap
+  stride = cfg.sync_every // p_count
+  phases = [False] + [(p, p) if not overlap else (p, None)
+                      for p in range(p_count)]
+  if overlap:
+    phases += [(None, p) for p in range(p_count)]
+  t = step.state.count + 1
+  send_due = t % stride == 0
+  index = jnp.where(send_due, 1 + (t % cfg.sync_every) // stride, 0)
+  if overlap:
+    u = t - overlap
+    apply_due = (u >= stride) & (u % stride == 0)
+    index = jnp.where(
+        apply_due, 1 + p_count + (u % cfg.sync_every) // stride, index)
+  branches = [
+      (lambda _, ph=ph: step.run(None, None) if ph is False
+       else step.run(*ph)) for ph in phases]
+  return jax.lax.switch(index, branches, None)
+
+
 def streaming_diloco(
     inner: optax.GradientTransformation,
     *,
@@ -352,8 +474,8 @@ def streaming_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import streaming
-    >>> tx = streaming.streaming_diloco(
+    >>> import loc_opt
+    >>> tx = loc_opt.streaming_diloco(
     ...     optax.adamw(4e-4), sync_every=100, num_fragments=4, overlap=1)
 
   References:
@@ -364,126 +486,36 @@ def streaming_diloco(
   _check_schedule(sync_every, p_count, overlap)
   if alpha is None:
     alpha = 0.5 if overlap > 0 else 0.0
-  alpha = float(alpha)
-  if not 0.0 <= alpha <= 1.0:
-    raise ValueError(f'alpha must be in [0, 1], got {alpha}')
+  alpha = _checks.in_interval(alpha, 'alpha', 0, 1)
   if codec is not None and axis_name is None:
     raise ValueError('streaming_diloco with a codec needs an axis_name')
   inner = optax.with_extra_args_support(inner)
-  outer = nesterov_outer() if outer is None else outer
-  compressor = None if codec is None else compression.as_compressor(codec)
-  comm = compression.Comm(axis_name) if axis_name is not None else None
-  stride = sync_every // p_count
-  varying = comm.varying if comm is not None else (lambda tree: tree)
+  cfg = _Config(
+      num_fragments=p_count, sync_every=sync_every, overlap=overlap,
+      alpha=alpha, outer=_local.nesterov_outer() if outer is None else outer,
+      compressor=None if codec is None else compression.as_compressor(codec),
+      comm=compression.Comm(axis_name) if axis_name is not None else None,
+      codec_seed=codec_seed)
 
   def split(params):
     return _groups(_leaf_fragments(params, fragments, p_count), p_count)
 
   def init_fn(params):
-    groups = split(params)
-    anchor = init_anchor(params, anchor_dtype)
-    a_leaves = jax.tree.leaves(anchor)
-    parts = [[a_leaves[i] for i in g] for g in groups]
-    zeros = jnp.zeros([p_count], jnp.int32)
-    return StreamingDilocoState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        outer_state=tuple(outer.init(part) for part in parts),
-        in_flight=(tuple([jnp.zeros_like(x) for x in part] for part in parts)
-                   if overlap else ()),
-        count=jnp.zeros([], jnp.int32),
-        sends=zeros,
-        applies=zeros,
-        codec_state=(() if compressor is None else
-                     tuple(compressor.init(part) for part in parts)),
-    )
+    return _init(cfg, inner, params, split(params), anchor_dtype)
 
   def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('streaming_diloco needs params: call update(updates, '
-                       'state, params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
-    groups = split(params)
-    p_leaves, treedef = jax.tree.flatten(params)
-    u_leaves = treedef.flatten_up_to(inner_updates)
-    a_leaves = jax.tree.leaves(state.anchor)
-
-    def local(i):  # theta' = theta + u, in params dtype, as apply_updates
-      return optax.apply_updates(p_leaves[i], u_leaves[i])
-
-    def mean_delta(p, codec_states):
-      idx = groups[p]
-      delta = [a_leaves[i] - local(i).astype(a_leaves[i].dtype) for i in idx]
-      if compressor is not None:
-        key = jax.random.fold_in(jax.random.key(codec_seed), state.count)
-        mean, _, cs = compressor.mean(delta, codec_states[p], comm, key)
-        codec_states = (codec_states[:p] + (varying(cs),)
-                        + codec_states[p + 1:])
-        delta = [m.astype(d.dtype) for m, d in zip(mean, delta)]
-      elif comm is not None:
-        delta = comm.pmean(delta)
-      return delta, codec_states
-
-    def run_phase(send, apply):
-      """The new (updates, anchor, outer, in_flight, codec, sends, applies)
-      leaves of the phase ``(send, apply)``."""
-      out_u = list(u_leaves)
-      anchor = list(a_leaves)
-      outer_state = state.outer_state
-      in_flight = state.in_flight
-      codec_states = state.codec_state
-      sends, applies = state.sends, state.applies
-      mean = None
-      if send is not None:
-        mean, codec_states = mean_delta(send, codec_states)
-        sends = sends + jax.nn.one_hot(send, p_count, dtype=jnp.int32)
-        if overlap:
-          in_flight = (in_flight[:send] + (mean,) + in_flight[send + 1:])
-      if apply is not None:
-        if overlap:
-          mean = state.in_flight[apply]
-        idx = groups[apply]
-        part = [a_leaves[i] for i in idx]
-        outer_updates, new_outer = outer.update(
-            mean, outer_state[apply], part)
-        part = optax.apply_updates(part, outer_updates)
-        outer_state = (outer_state[:apply] + (new_outer,)
-                       + outer_state[apply + 1:])
-        for i, a in zip(idx, part):
-          anchor[i] = a
-          p = p_leaves[i]
-          target = a
-          if alpha:
-            target = alpha * local(i).astype(a.dtype) + (1 - alpha) * a
-          out_u[i] = (target - p.astype(a.dtype)).astype(p.dtype)
-        applies = applies + jax.nn.one_hot(apply, p_count, dtype=jnp.int32)
-      return varying((out_u, anchor, outer_state, in_flight, codec_states,
-                      sends, applies))
-
+    inner_updates, inner_state = _local.inner_step(
+        inner, 'streaming_diloco', updates, state.inner_state, params,
+        extra_args)
+    step = _Step(cfg, state, split(params), params, inner_updates)
     if sync is None:
-      phases = [False] + [(p, p) if not overlap else (p, None)
-                          for p in range(p_count)]
-      if overlap:
-        phases += [(None, p) for p in range(p_count)]
-      t = state.count + 1
-      send_due = t % stride == 0
-      index = jnp.where(send_due, 1 + (t % sync_every) // stride, 0)
-      if overlap:
-        u = t - overlap
-        apply_due = (u >= stride) & (u % stride == 0)
-        index = jnp.where(
-            apply_due, 1 + p_count + (u % sync_every) // stride, index)
-      branches = [
-          (lambda _, ph=ph: run_phase(None, None) if ph is False
-           else run_phase(*ph)) for ph in phases]
-      out = jax.lax.switch(index, branches, None)
+      out = _switch(step)
     else:
-      out = run_phase(*_check_phase(sync, p_count, overlap))
+      out = step.run(*_check_phase(sync, p_count, overlap))
     out_u, anchor, outer_state, in_flight, codec_states, sends, applies = out
     new_state = StreamingDilocoState(
         inner_state=inner_state,
-        anchor=treedef.unflatten(anchor),
+        anchor=step.treedef.unflatten(anchor),
         outer_state=outer_state,
         in_flight=in_flight,
         count=optax.safe_increment(state.count),
@@ -491,7 +523,7 @@ def streaming_diloco(
         applies=applies,
         codec_state=codec_states,
     )
-    return treedef.unflatten(out_u), new_state
+    return step.treedef.unflatten(out_u), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -525,7 +557,7 @@ def streaming_eval_params(state: StreamingDilocoState, params: optax.Params
   Each fragment of the anchor holds the outer parameters of its last applied
   sync (Streaming DiLoCo, Table 3, evaluates the outer parameters).
   """
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def fragment_bytes(
@@ -551,5 +583,5 @@ def fragment_bytes(
   leaves = jax.tree.leaves(params)
   ids = _leaf_fragments(params, fragments, None)
   groups = _groups(ids, max(ids) + 1)
-  return [pseudo_gradient_bytes([leaves[i] for i in g], dtype, codec)
+  return [_local.pseudo_gradient_bytes([leaves[i] for i in g], dtype, codec)
           for g in groups]

@@ -16,15 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-
-def _concrete(value: Any) -> np.ndarray | None:
-  """``value`` as a NumPy array, or ``None`` when it is traced."""
-  if isinstance(value, jax.core.Tracer):
-    return None
-  return np.asarray(value)
+from loc_opt import _checks
 
 
 class DelayedNesterovState(NamedTuple):
@@ -44,24 +38,19 @@ class DelayedNesterovState(NamedTuple):
 
 
 def _check_delayed_nesterov(momentum, buffer_size, activation) -> None:
-  """Validates the concrete hyperparameters of Delayed Nesterov."""
-  if isinstance(buffer_size, bool):
-    raise ValueError(f'buffer_size must be a positive int, got {buffer_size}')
-  n = _concrete(buffer_size)
-  if n is not None:
-    if n.ndim or not np.issubdtype(n.dtype, np.integer) or int(n) < 1:
-      raise ValueError(
-          f'buffer_size must be a positive int, got {buffer_size!r}')
-  beta = _concrete(momentum)
-  if beta is not None and not 0.0 <= float(beta) < 1.0:
-    raise ValueError(f'momentum must be in [0, 1), got {float(beta)}')
-  c = _concrete(activation)
-  if c is not None:
-    upper = 1.0 / int(n) if n is not None else 1.0
-    if not 0.0 <= float(c) <= upper:
+  """Validates the concrete hyperparameters of Delayed Nesterov (traced
+  ones, from ``optax.inject_hyperparams``, are not checked)."""
+  n = None
+  if not _checks.is_traced(buffer_size):
+    n = _checks.positive_int(buffer_size, 'buffer_size', arrays=True)
+  if not _checks.is_traced(momentum):
+    _checks.in_interval(momentum, 'momentum', 0, 1, closed='left')
+  if not _checks.is_traced(activation):
+    upper = 1.0 / n if n is not None else 1.0
+    if not 0.0 <= float(activation) <= upper:
       raise ValueError(
           f'activation must be in [0, 1 / buffer_size] = [0, {upper:g}], '
-          f'got {float(c)}')
+          f'got {float(activation)}')
 
 
 def scale_by_delayed_nesterov(

@@ -1,6 +1,5 @@
 """Tests of eager updates: M = 1 equivalence, hand-computed proxy, bytes."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,16 +7,15 @@ import optax
 import pytest
 
 import loc_opt
-from loc_opt import parallel
-from loc_opt.outer import eager
+from loc_opt import outer
 from tests import optax_conformance as conf
-from tests.outer import test_diloco as td
+from tests.outer import _helpers as helpers
 
-M = 4
+M = helpers.M
 
 
 def make_eager(learning_rate):
-  return eager.eager_diloco(optax.adam(learning_rate), sync_every=3,
+  return outer.eager_diloco(optax.adam(learning_rate), sync_every=3,
                             axis_name=None)
 
 
@@ -28,10 +26,10 @@ def test_conformance(tmp_path):
 @pytest.mark.parametrize('axis_name', [None, 'worker'])
 def test_one_worker_is_diloco(axis_name):
   kw = dict(sync_every=3, axis_name=axis_name)
-  got, state = td.run_workers(eager.eager_diloco(optax.adam(1e-2), **kw), 10,
-                              m=1)
-  want, want_state = td.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
-                                    10, m=1)
+  got, state = helpers.run_workers(
+      outer.eager_diloco(optax.adam(1e-2), **kw), 10, m=1)
+  want, want_state = helpers.run_workers(
+      loc_opt.diloco(optax.adam(1e-2), **kw), 10, m=1)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-6,
                           atol=1e-7)
@@ -47,16 +45,10 @@ G2 = jnp.array([[0.0, 1.0], [2.0, -1.0]])
 
 
 def two_rounds(naive):
-  tx = eager.eager_diloco(optax.sgd(1.0), sync_every=2,
+  tx = outer.eager_diloco(optax.sgd(1.0), sync_every=2,
                           outer=optax.sgd(0.5), naive=naive)
-
-  @jax.jit
-  @parallel.vmap_workers
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = td.stack(TH0, 2)
+  step = helpers.grads_step(tx)
+  params = helpers.stack(TH0, 2)
   state = jax.vmap(tx.init)(params)
   out = []
   for grads in (G1, G1, G2, G2):
@@ -74,7 +66,7 @@ def test_eager_proxy_by_hand():
   # Round 2: proxy = g2_m + 2 gbar1 - g1_m, so
   # phi_m = th0 - 0.5 g2_m - gbar1 = [[-1, 0.5], [-2, 1.5]].
   np.testing.assert_allclose(p2, [[-1.0, 0.5], [-2.0, 1.5]])
-  np.testing.assert_allclose(eager.eager_eval_params(s2, p2), p2)
+  np.testing.assert_allclose(outer.eager_eval_params(s2, p2), p2)
   np.testing.assert_allclose(s2.prev_mean, [[2.0, 0.0]] * 2)
   np.testing.assert_array_equal(s2.num_syncs, [2, 2])
 
@@ -87,14 +79,8 @@ def test_naive_delayed_by_hand():
 
 
 def test_plan_matches_cond_program():
-  tx = eager.eager_diloco(optax.adam(1e-2), sync_every=3)
-  plan = eager.eager_plan(3)
-
-  params, state, programs = td.run_planned(tx, plan, 8)
-  assert set(programs) == {False, True}
-  want, want_state = td.run_workers(tx, 8)
-  conf.assert_trees_close(params, want, rtol=1e-6, atol=1e-7)
-  conf.assert_trees_close(state, want_state, rtol=1e-6, atol=1e-7)
+  tx = outer.eager_diloco(optax.adam(1e-2), sync_every=3)
+  state = helpers.check_plan_matches_cond(tx, outer.eager_plan(3), 8)
   assert int(state.num_syncs[0]) == 2
   # Workers' outer parameters differ by construction.
   assert not np.allclose(state.anchor['w'][0], state.anchor['w'][1])
@@ -103,9 +89,9 @@ def test_plan_matches_cond_program():
 def test_bad_arguments_raise():
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match='sync_every'):
-      eager.eager_diloco(optax.sgd(0.1), sync_every=bad)
+      outer.eager_diloco(optax.sgd(0.1), sync_every=bad)
   with pytest.raises(ValueError, match='axis_name'):
-    eager.eager_diloco(optax.sgd(0.1), sync_every=2, axis_name=None,
+    outer.eager_diloco(optax.sgd(0.1), sync_every=2, axis_name=None,
                        codec=loc_opt.compression.int8())
   tx = make_eager(0.1)
   params = conf.example_params()
@@ -114,20 +100,8 @@ def test_bad_arguments_raise():
 
 
 def test_hlo_bytes():
-  mesh = parallel.make_worker_mesh(M, data=2)
-  tx = eager.eager_diloco(optax.sgd(0.1), sync_every=3)
-  params = td.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
-
-  def report(sync):
-    return td.phase_report(tx, params, sync, mesh)
-
-  theory = eager.eager_bytes(jax.tree.map(lambda x: x[0], params))
+  tx = outer.eager_diloco(optax.sgd(0.1), sync_every=3)
+  params = helpers.stack({'w': jnp.zeros((32, 16)), 'b': jnp.zeros(16)})
+  theory = outer.eager_bytes(helpers.worker(params, 0))
   assert theory == 4 * (512 + 16)
-  assert report(False).cross_worker_bytes_range == (0, 0)
-  np.testing.assert_allclose(report(True).cross_worker_bytes_per_worker,
-                             theory, rtol=0.1)
-  cond = report(None)
-  assert cond.cross_worker_bytes == 0
-  (branches,) = cond.branches.values()
-  assert sorted(branches)[0] == 0
-  np.testing.assert_allclose(sorted(branches)[1] / M, theory, rtol=0.1)
+  helpers.check_two_phase_bytes(tx, params, theory)

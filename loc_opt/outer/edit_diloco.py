@@ -24,20 +24,15 @@ References:
   Method for Large Language Models*, ICLR 2025.
 """
 
-from collections.abc import Callable
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-# `loc_opt.outer.diloco` is shadowed by the function of that name.
-from loc_opt.outer.diloco import nesterov_outer
-from loc_opt.outer.diloco import pseudo_gradient_bytes
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 # A detector that has seen (nearly) equal norms has a (nearly) zero standard
@@ -81,16 +76,65 @@ class EditState(NamedTuple):
   num_syncs: jax.Array
 
 
-def _check_range(name: str, value: Any,
-                 ok: Callable[[float], bool]) -> None:
-  """Raises if a concrete scalar ``value`` fails ``ok``; traced values
-  (``optax.inject_hyperparams``) are not checked."""
-  if isinstance(value, jax.core.Tracer):
-    return
-  if isinstance(value, bool) or value is None:
-    raise ValueError(f'{name} must be a number, got {value!r}')
-  if not ok(float(np.asarray(value))):
-    raise ValueError(f'{name} out of range: {value!r}')
+def _check_args(ewma, warmup_syncs, z_threshold, temperature, clip_norm
+                ) -> None:
+  """Validates EDiT's concrete hyperparameters (traced ones, from
+  ``optax.inject_hyperparams``, are not checked)."""
+  _checks.positive_int(warmup_syncs, 'warmup_syncs')
+  if not _checks.is_traced(ewma):
+    _checks.in_interval(ewma, 'ewma', 0, 1, closed='right')
+  for name, value in (('z_threshold', z_threshold),
+                      ('temperature', temperature)):
+    if not _checks.is_traced(value):  # inf: never drop / equal weights
+      _checks.positive_or_inf(value, name)
+  if clip_norm is not None and not _checks.is_traced(clip_norm):
+    _checks.positive_float(clip_norm, 'clip_norm')
+
+
+def _detect(norm: jax.Array, state: EditState, *, ewma: Any,
+            warmup_syncs: int, z_threshold: Any) -> tuple[jax.Array, ...]:
+  """The anomaly detector: ``(keep flag, new mean, new var, new count)`` of
+  this worker's pseudo-gradient norm statistics."""
+  std = jnp.maximum(jnp.sqrt(state.norm_var), _STD_FLOOR * state.norm_mean)
+  z = (norm - state.norm_mean) / jnp.maximum(std, 1e-30)
+  flagged = (state.num_norms >= warmup_syncs) & (z > z_threshold)
+  k = optax.safe_increment(state.num_norms)
+  a = jnp.maximum(jnp.asarray(ewma, jnp.float32),
+                  1.0 / k.astype(jnp.float32))
+  diff = norm - state.norm_mean
+  mean = state.norm_mean + a * diff
+  var = (1 - a) * (state.norm_var + a * diff * diff)
+  keep = ~flagged
+  return (keep, jnp.where(keep, mean, state.norm_mean),
+          jnp.where(keep, var, state.norm_var),
+          jnp.where(keep, k, state.num_norms))
+
+
+def _weights(norm: jax.Array, keep: jax.Array,
+             comm: compression.Comm | None, temperature: Any
+             ) -> tuple[jax.Array, Any, jax.Array]:
+  """``(this worker's weight, M, workers dropped)`` from every worker's norm
+  and keep flag (an all-gather of two scalars each)."""
+  own = jnp.stack([norm, keep.astype(jnp.float32)])
+  if comm is not None:
+    table = jax.lax.all_gather(own, comm.axis_name)  # [M, 2]: a few bytes
+    index = comm.index()
+    workers = comm.size()
+  else:
+    table, index, workers = own[None], 0, 1
+  norms, keeps = table[:, 0], table[:, 1] > 0
+  keeps = jnp.where(jnp.any(keeps), keeps, True)  # all dropped: mean
+  weights = jax.nn.softmax(-norms / temperature, where=keeps)
+  weights = jnp.where(keeps, weights, 0.0)
+  dropped = workers - jnp.sum(keeps.astype(jnp.int32))
+  return weights[index], workers, dropped.astype(jnp.int32)
+
+
+def _clip(tree: Any, clip_norm: Any) -> Any:
+  """``tree`` scaled to global norm at most ``clip_norm``."""
+  scale = jnp.minimum(1.0, clip_norm / jnp.maximum(optax.tree.norm(tree),
+                                                   1e-30))
+  return jax.tree.map(lambda g: (scale * g).astype(g.dtype), tree)
 
 
 def edit_diloco(
@@ -181,152 +225,72 @@ def edit_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import robust_average
-    >>> tx = robust_average.edit_diloco(optax.adamw(4e-4), sync_every=10,
-    ...                                 clip_norm=10.0)
+    >>> import loc_opt
+    >>> tx = loc_opt.edit_diloco(optax.adamw(4e-4), sync_every=10,
+    ...                          clip_norm=10.0)
 
   References:
     Cheng et al., *EDiT: A Local-SGD-Based Efficient Distributed Training
     Method for Large Language Models*, ICLR 2025.
   """
-  plan_lib.check_period(sync_every)
-  _check_range('ewma', ewma, lambda v: 0 < v <= 1)
-  if (isinstance(warmup_syncs, bool) or not isinstance(warmup_syncs, int)
-      or warmup_syncs <= 0):
-    raise ValueError(
-        f'warmup_syncs must be a positive int, got {warmup_syncs!r}')
-  _check_range('z_threshold', z_threshold, lambda v: v > 0)
-  _check_range('temperature', temperature, lambda v: v > 0)
-  if clip_norm is not None:
-    _check_range('clip_norm', clip_norm, lambda v: 0 < v < math.inf)
+  _checks.positive_int(sync_every, 'sync_every')
+  _check_args(ewma, warmup_syncs, z_threshold, temperature, clip_norm)
   inner = optax.with_extra_args_support(inner)
-  outer = nesterov_outer() if outer is None else outer
+  outer = _local.nesterov_outer() if outer is None else outer
   comm = compression.Comm(axis_name) if axis_name is not None else None
-  varying = comm.varying if comm is not None else (lambda tree: tree)
 
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
+  def fields(anchor):
     zero = jnp.zeros([], jnp.int32)
-    return EditState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        outer_state=outer.init(anchor),
-        norm_mean=jnp.zeros([], jnp.float32),
-        norm_var=jnp.zeros([], jnp.float32),
-        num_norms=zero,
-        weight=jnp.zeros([], jnp.float32),
-        num_dropped=zero,
-        total_dropped=zero,
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-    )
+    return dict(outer_state=outer.init(anchor),
+                norm_mean=jnp.zeros([], jnp.float32),
+                norm_var=jnp.zeros([], jnp.float32), num_norms=zero,
+                weight=jnp.zeros([], jnp.float32), num_dropped=zero,
+                total_dropped=zero)
 
-  def detect(norm, state):
-    """(keep flag, new mean, new var, new count) of this worker."""
-    std = jnp.maximum(jnp.sqrt(state.norm_var), _STD_FLOOR * state.norm_mean)
-    z = (norm - state.norm_mean) / jnp.maximum(std, 1e-30)
-    flagged = (state.num_norms >= warmup_syncs) & (z > z_threshold)
-    k = optax.safe_increment(state.num_norms)
-    a = jnp.maximum(jnp.asarray(ewma, jnp.float32),
-                    1.0 / k.astype(jnp.float32))
-    diff = norm - state.norm_mean
-    mean = state.norm_mean + a * diff
-    var = (1 - a) * (state.norm_var + a * diff * diff)
-    keep = ~flagged
-    return (keep, jnp.where(keep, mean, state.norm_mean),
-            jnp.where(keep, var, state.norm_var),
-            jnp.where(keep, k, state.num_norms))
+  init_fn = _local.periodic_init(EditState, inner, anchor_dtype, fields)
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('edit_diloco needs params: call update(updates, '
-                       'state, params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
+  def sync_step(state, params, local, _):
+    delta = _local.pseudo_gradient(state.anchor, local)
+    norm = optax.tree.norm(delta).astype(jnp.float32)
+    keep, mean, var, num_norms = _detect(
+        norm, state, ewma=ewma, warmup_syncs=warmup_syncs,
+        z_threshold=z_threshold)
+    weight, workers, dropped = _weights(norm, keep, comm, temperature)
+    scaled = jax.tree.map(lambda d: (workers * weight).astype(d.dtype) * d,
+                          delta)
+    agg = comm.pmean(scaled) if comm is not None else scaled
+    if clip_norm is not None:
+      agg = _clip(agg, clip_norm)
+    outer_updates, outer_state = outer.update(agg, state.outer_state,
+                                              state.anchor)
+    anchor = optax.apply_updates(state.anchor, outer_updates)
+    return _local.updates_to(anchor, params), dict(
+        anchor=anchor, outer_state=outer_state, norm_mean=mean,
+        norm_var=var, num_norms=num_norms, weight=weight,
+        num_dropped=dropped, total_dropped=state.total_dropped + dropped)
 
-    def outer_step(_):
-      local = optax.apply_updates(params, inner_updates)
-      delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), state.anchor,
-                           local)
-      norm = optax.tree.norm(delta).astype(jnp.float32)
-      keep, mean, var, num_norms = detect(norm, state)
-      own = jnp.stack([norm, keep.astype(jnp.float32)])
-      if comm is not None:
-        table = jax.lax.all_gather(own, axis_name)  # [M, 2]: a few bytes
-        index = comm.index()
-        workers = comm.size()
-      else:
-        table, index, workers = own[None], 0, 1
-      norms, keeps = table[:, 0], table[:, 1] > 0
-      keeps = jnp.where(jnp.any(keeps), keeps, True)  # all dropped: mean
-      weights = jax.nn.softmax(-norms / temperature, where=keeps)
-      weights = jnp.where(keeps, weights, 0.0)
-      weight = weights[index]
-      scaled = jax.tree.map(lambda d: (workers * weight).astype(d.dtype) * d,
-                            delta)
-      agg = comm.pmean(scaled) if comm is not None else scaled
-      if clip_norm is not None:
-        agg_norm = optax.tree.norm(agg)
-        scale = jnp.minimum(1.0, clip_norm / jnp.maximum(agg_norm, 1e-30))
-        agg = jax.tree.map(lambda g: (scale * g).astype(g.dtype), agg)
-      outer_updates, outer_state = outer.update(agg, state.outer_state,
-                                                state.anchor)
-      anchor = optax.apply_updates(state.anchor, outer_updates)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
-      dropped = workers - jnp.sum(keeps.astype(jnp.int32))
-      return varying((new_updates, anchor, outer_state, mean, var, num_norms,
-                      weight, dropped.astype(jnp.int32),
-                      jnp.ones([], jnp.int32)))
-
-    def inner_only(_):
-      return varying((inner_updates, state.anchor, state.outer_state,
-                      state.norm_mean, state.norm_var, state.num_norms,
-                      state.weight, state.num_dropped,
-                      jnp.zeros([], jnp.int32)))
-
-    if sync not in (None, True, False):
-      raise ValueError(f'sync must be None, True or False, got {sync!r}')
-    out = plan_lib.branch(
-        sync, lambda: state.steps_since_sync + 1 >= sync_every,
-        lambda: outer_step(None), lambda: inner_only(None))
-    (new_updates, anchor, outer_state, mean, var, num_norms, weight, dropped,
-     synced) = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = EditState(
-        inner_state=inner_state,
-        anchor=anchor,
-        outer_state=outer_state,
-        norm_mean=mean,
-        norm_var=var,
-        num_norms=num_norms,
-        weight=weight,
-        num_dropped=dropped,
-        total_dropped=state.total_dropped + synced * dropped,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='edit_diloco', sync_step=sync_step,
+      fields=('anchor', 'outer_state', 'norm_mean', 'norm_var', 'num_norms',
+              'weight', 'num_dropped', 'total_dropped'),
+      varying=_local.varying_fn(comm))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def edit_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`edit_diloco`: ``True`` on counts ``H - 1,
   2H - 1, ...``, else ``False`` (DiLoCo's phases)."""
-  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
+  return plan_lib.Plan(plan_lib.every(
+      _checks.positive_int(sync_every, 'sync_every')))
 
 
 def edit_eval_params(state: EditState, params: optax.Params) -> Any:
   """The weights to evaluate: the outer parameters ``phi`` in params dtypes
   (equal on all workers)."""
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def edit_bytes(params: Any, dtype: Any = jnp.float32) -> int:
   """Bytes one worker sends per sync: its (weighted) pseudo-gradient at
   ``dtype`` plus its norm and keep flag (two fp32 scalars)."""
-  return pseudo_gradient_bytes(params, dtype) + 2 * 4
+  return _local.pseudo_gradient_bytes(params, dtype) + 2 * 4

@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 
@@ -55,13 +55,6 @@ class Co2State(NamedTuple):
   count: jax.Array
   steps_since_sync: jax.Array
   num_syncs: jax.Array
-
-
-def _concrete(value: Any) -> float | None:
-  """The float value of a concrete scalar; ``None`` for a traced one."""
-  if isinstance(value, jax.core.Tracer):
-    return None
-  return float(np.asarray(value))
 
 
 def co2(
@@ -138,91 +131,50 @@ def co2(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import stale_overlap
-    >>> tx = stale_overlap.co2(optax.adamw(4e-4), sync_every=3)
+    >>> import loc_opt
+    >>> tx = loc_opt.co2(optax.adamw(4e-4), sync_every=3)
 
   References:
     Sun et al., *CO2: Efficient Distributed Training with Full
     Communication-Computation Overlap*, ICLR 2024.
   """
-  plan_lib.check_period(sync_every)
-  checks = (('outer_lr', outer_lr, lambda v: v > 0),
-            ('momentum', momentum, lambda v: 0 <= v < 1),
-            ('staleness_penalty', staleness_penalty, lambda v: v > 0))
-  if clip is not None:
-    checks += (('clip', clip, lambda v: v > 0),)
-  for name, value, ok in checks:
-    concrete = _concrete(value)
-    if concrete is not None and not ok(concrete):
-      raise ValueError(f'{name} out of range: {value!r}')
+  _checks.positive_int(sync_every, 'sync_every')
+  for name, value in (('outer_lr', outer_lr),
+                      ('staleness_penalty', staleness_penalty),
+                      ('clip', clip)):
+    if value is not None and not _checks.is_traced(value):
+      _checks.positive_or_inf(value, name)
+  if not _checks.is_traced(momentum):
+    _checks.in_interval(momentum, 'momentum', 0, 1, closed='left')
   inner = optax.with_extra_args_support(inner)
   comm = compression.Comm(axis_name) if axis_name is not None else None
-  varying = comm.varying if comm is not None else (lambda tree: tree)
 
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    return Co2State(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        outer_momentum=jax.tree.map(jnp.zeros_like, anchor),
-        stale_mean=jax.tree.map(jnp.copy, anchor),
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-    )
+  init_fn = _local.periodic_init(
+      Co2State, inner, anchor_dtype, lambda anchor: dict(
+          outer_momentum=jax.tree.map(jnp.zeros_like, anchor),
+          stale_mean=jax.tree.map(jnp.copy, anchor)))
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('co2 needs params: call update(updates, state, '
-                       'params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
+  def new_momentum(m, phi, x):
+    m = momentum * m + (phi - x) / staleness_penalty
+    if clip is not None:
+      m = jnp.clip(m, -clip, clip)
+    return m.astype(phi.dtype)
 
-    def outer_step(_):
-      local = jax.tree.map(lambda a, x: x.astype(a.dtype), state.anchor,
-                           optax.apply_updates(params, inner_updates))
-      fresh = comm.pmean(local) if comm is not None else local  # launched
-      target = state.stale_mean if stale else fresh
+  def sync_step(state, params, local, _):
+    local = jax.tree.map(lambda a, x: x.astype(a.dtype), state.anchor, local)
+    fresh = comm.pmean(local) if comm is not None else local  # launched
+    target = state.stale_mean if stale else fresh
+    mom = jax.tree.map(new_momentum, state.outer_momentum, state.anchor,
+                       target)
+    anchor = jax.tree.map(lambda phi, m: (phi - outer_lr * m).astype(
+        phi.dtype), state.anchor, mom)
+    return _local.updates_to(anchor, params), dict(
+        anchor=anchor, outer_momentum=mom, stale_mean=fresh)
 
-      def new_momentum(m, phi, x):
-        m = momentum * m + (phi - x) / staleness_penalty
-        if clip is not None:
-          m = jnp.clip(m, -clip, clip)
-        return m.astype(phi.dtype)
-
-      mom = jax.tree.map(new_momentum, state.outer_momentum, state.anchor,
-                         target)
-      anchor = jax.tree.map(lambda phi, m: (phi - outer_lr * m).astype(
-          phi.dtype), state.anchor, mom)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
-      return varying((new_updates, anchor, mom, fresh,
-                      jnp.ones([], jnp.int32)))
-
-    def inner_only(_):
-      return varying((inner_updates, state.anchor, state.outer_momentum,
-                      state.stale_mean, jnp.zeros([], jnp.int32)))
-
-    if sync not in (None, True, False):
-      raise ValueError(f'sync must be None, True or False, got {sync!r}')
-    out = plan_lib.branch(
-        sync, lambda: state.steps_since_sync + 1 >= sync_every,
-        lambda: outer_step(None), lambda: inner_only(None))
-    new_updates, anchor, mom, stale_mean, synced = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = Co2State(
-        inner_state=inner_state,
-        anchor=anchor,
-        outer_momentum=mom,
-        stale_mean=stale_mean,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='co2', sync_step=sync_step,
+      fields=('anchor', 'outer_momentum', 'stale_mean'),
+      varying=_local.varying_fn(comm))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -230,17 +182,17 @@ def co2_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`co2`: ``True`` (launch this round's
   average, apply the previous one) on counts ``H - 1, 2H - 1, ...``, else
   ``False``."""
-  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
+  return plan_lib.Plan(plan_lib.every(
+      _checks.positive_int(sync_every, 'sync_every')))
 
 
 def co2_eval_params(state: Co2State, params: optax.Params) -> Any:
   """The weights to evaluate: the outer parameters ``phi`` in params
   dtypes (equal on all workers)."""
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def co2_bytes(params: Any, dtype: Any = jnp.float32) -> int:
   """Bytes one worker sends per sync: its parameters at ``dtype`` (the
   anchor dtype, fp32 by default)."""
-  size = sum(int(x.size) for x in jax.tree.leaves(params))
-  return size * jnp.dtype(dtype).itemsize
+  return _local.num_params(params) * jnp.dtype(dtype).itemsize

@@ -7,7 +7,7 @@ new server parameters and starts its next round. Two fixes make this match
 synchronous DiLoCo:
 
 * **Delayed Nesterov (DN)**, :func:`delayed_nesterov` (in
-  :mod:`loc_opt.outer.server_momentum`, usable by any server): it applies
+  :mod:`loc_opt.outer.delayed_nesterov`, usable by any server): it applies
   each push with momentum-free SGD and folds the momentum in only once every
   ``N`` pushes, from the average of those pushes, so stale pushes do not
   compound in the momentum.
@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
-from loc_opt.outer.server_momentum import delayed_nesterov
+from loc_opt.outer.delayed_nesterov import delayed_nesterov
 
 # Relative speeds are held as exact fractions p / q with q at most this (so
 # the on-device progress counters p + (k p mod q) stay far inside int32).
@@ -111,9 +112,7 @@ def dylu_periods(
     ValueError: bad ``speeds`` or ``sync_every`` not a positive int.
   """
   ratios = relative_speeds(speeds)
-  if (isinstance(sync_every, bool)
-      or not isinstance(sync_every, (int, np.integer)) or sync_every < 1):
-    raise ValueError(f'sync_every must be a positive int, got {sync_every!r}')
+  sync_every = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   if not dylu:
     return (int(sync_every),) * len(ratios)
   return tuple(max(1, math.floor(r * int(sync_every))) for r in ratios)
@@ -124,11 +123,8 @@ def _check_periods(periods: Sequence[int], num_workers: int) -> tuple:
   if len(periods) != num_workers:
     raise ValueError(f'periods has {len(periods)} entries for '
                      f'{num_workers} workers')
-  for h in periods:
-    if (isinstance(h, bool) or not isinstance(h, (int, np.integer))
-        or h < 1):
-      raise ValueError(f'periods must be positive ints, got {h!r}')
-  return tuple(int(h) for h in periods)
+  return tuple(_checks.positive_int(h, 'periods', arrays=True)
+               for h in periods)
 
 
 def _tick(ratios, periods, tick: int) -> TickEvents:
@@ -263,6 +259,139 @@ def _check_phase(sync: Any, num_workers: int) -> tuple[int, ...] | None:
   return tuple(int(w) for w in sync)
 
 
+class _Schedule(NamedTuple):
+  """Every worker's speed ``p / q`` and period, as int32 arrays ``[M]``."""
+
+  numerators: np.ndarray
+  denominators: np.ndarray
+  periods: np.ndarray
+
+  @classmethod
+  def of(cls, ratios: Sequence[fractions.Fraction], periods: Sequence[int]
+         ) -> '_Schedule':
+    """From the exact relative speeds and the periods of the workers."""
+    return cls(np.array([r.numerator for r in ratios], np.int32),
+               np.array([r.denominator for r in ratios], np.int32),
+               np.array(periods, np.int32))
+
+  def tick(self, state: AsyncLocalSgdState
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(active [M], progress, finishing [M], round_steps)`` after this
+    tick, replayed identically on every worker (no communication)."""
+    reach = state.progress + self.numerators
+    active = reach >= self.denominators
+    progress = jnp.where(active, reach - self.denominators, reach)
+    steps = state.round_steps + active.astype(jnp.int32)
+    finishing = active & (steps >= self.periods)
+    round_steps = jnp.where(finishing, 0, steps).astype(jnp.int32)
+    return active, progress, finishing, round_steps
+
+
+class _Tick(NamedTuple):
+  """What a tick's push needs: the state and params before it, the inner
+  updates of this tick, this worker's index and who finishes."""
+
+  state: AsyncLocalSgdState
+  params: optax.Params
+  inner_updates: optax.Updates
+  index: jax.Array
+  finishing: jax.Array
+
+
+def _apply_push(outer: optax.GradientTransformation, index: jax.Array,
+                carry: tuple[Any, ...], w: Any, push_w: Any,
+                applies: jax.Array | None = None) -> tuple[Any, ...]:
+  """The server applies worker ``w``'s push; ``w`` pulls if it is this
+  worker. ``applies`` (on device) says whether ``w`` pushes at all; ``None``
+  for a static finisher."""
+  phi, server_state, num_pushes, pulled, version = carry
+  outer_updates, new_server_state = outer.update(push_w, server_state, phi)
+  new_phi = optax.apply_updates(phi, outer_updates)
+  if applies is None:  # a static finisher
+    phi, server_state = new_phi, new_server_state
+    num_pushes = optax.safe_increment(num_pushes)
+    mine = index == w
+  else:  # decided on device
+    phi, server_state = jax.tree.map(
+        lambda new, old: jnp.where(applies, new, old),
+        (new_phi, new_server_state), (phi, server_state))
+    num_pushes = num_pushes + applies.astype(jnp.int32)
+    mine = applies & (index == w)
+  pulled = jax.tree.map(
+      lambda new, old: jnp.where(mine, new, old), phi, pulled)
+  version = jnp.where(mine, num_pushes, version)
+  return phi, server_state, num_pushes, pulled, version
+
+
+def _push(outer: optax.GradientTransformation, comm: compression.Comm | None,
+          tick: _Tick, finishers: tuple[int, ...] | None) -> tuple[Any, ...]:
+  """A tick where someone finishes: every worker's pseudo-gradient is
+  all-gathered and the server replays the pushes in worker order (all
+  workers, masked by ``tick.finishing``, when ``finishers`` is ``None``).
+
+  Returns:
+    ``(updates, phi, server_state, start_params, num_pushes, version)``.
+  """
+  state = tick.state
+  local = optax.apply_updates(tick.params, tick.inner_updates)
+  delta = _local.pseudo_gradient(state.start_params, local)
+  if comm is not None:
+    gathered = comm.all_gather(delta)
+  else:
+    gathered = jax.tree.map(lambda d: d[None], delta)
+  carry = (state.server_params, state.server_state, state.num_pushes,
+           state.start_params, state.version)
+  if finishers is None:  # one loop over all workers, in index order
+    carry = comm.varying(carry) if comm is not None else carry
+    carry, _ = jax.lax.scan(
+        lambda c, xs: (_apply_push(outer, tick.index, c, *xs), None), carry,
+        (jnp.arange(len(tick.finishing)), gathered, tick.finishing))
+    i_finish = tick.finishing[tick.index]
+  else:
+    for w in finishers:
+      carry = _apply_push(outer, tick.index, carry, w,
+                          jax.tree.map(lambda g, w=w: g[w], gathered))
+    i_finish = jnp.isin(tick.index, jnp.asarray(finishers, jnp.int32))
+  phi, server_state, num_pushes, pulled, version = carry
+  new_updates = jax.tree.map(
+      lambda u, t: jnp.where(i_finish, t, u), tick.inner_updates,
+      _local.updates_to(pulled, tick.params))
+  out = (new_updates, phi, server_state, pulled, num_pushes, version)
+  return out if comm is None else comm.varying(out)
+
+
+def _init(inner: optax.GradientTransformation,
+          outer: optax.GradientTransformation, params: optax.Params,
+          anchor_dtype: Any, num_workers: int) -> AsyncLocalSgdState:
+  """The initial state: the server at the params, nobody in a round."""
+  anchor = _local.init_anchor(params, anchor_dtype)
+  zero = jnp.zeros([], jnp.int32)
+  counters = jnp.zeros([num_workers], jnp.int32)
+  return AsyncLocalSgdState(
+      inner_state=inner.init(params),
+      server_params=anchor,
+      server_state=outer.init(anchor),
+      start_params=anchor,
+      count=zero,
+      progress=counters,
+      round_steps=counters,
+      num_pushes=zero,
+      version=zero,
+  )
+
+
+def _worker_index(comm: compression.Comm | None, num_workers: int
+                  ) -> jax.Array:
+  """This worker's index, after checking the axis has ``num_workers``."""
+  if comm is None:
+    return jnp.zeros([], jnp.int32)
+  size = comm.size()
+  if size != num_workers:
+    raise ValueError(f'speeds names {num_workers} workers but axis '
+                     f'{comm.axis_name!r} has {size}')
+  return comm.index()
+
+
 def async_local_sgd(
     inner: optax.GradientTransformation,
     *,
@@ -349,110 +478,30 @@ def async_local_sgd(
   if outer is None:
     outer = delayed_nesterov(0.7, 0.9, buffer_size=num_workers)
   comm = compression.Comm(axis_name) if axis_name is not None else None
-  numerators = np.array([r.numerator for r in ratios], np.int32)
-  denominators = np.array([r.denominator for r in ratios], np.int32)
-  period_arr = np.array(periods, np.int32)
+  schedule = _Schedule.of(ratios, periods)
   always_active = all(r == 1 for r in ratios)
 
   def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    counters = jnp.zeros([num_workers], jnp.int32)
-    return AsyncLocalSgdState(
-        inner_state=inner.init(params),
-        server_params=anchor,
-        server_state=outer.init(anchor),
-        start_params=anchor,
-        count=zero,
-        progress=counters,
-        round_steps=counters,
-        num_pushes=zero,
-        version=zero,
-    )
+    return _init(inner, outer, params, anchor_dtype, num_workers)
 
   def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('async_local_sgd needs params: call update(updates, '
-                       'state, params)')
+    inner_updates, inner_state = _local.inner_step(
+        inner, 'async_local_sgd', updates, state.inner_state, params,
+        extra_args)
     finishers = _check_phase(sync, num_workers)
-    if comm is not None:
-      size = comm.size()
-      if size != num_workers:
-        raise ValueError(f'speeds names {num_workers} workers but axis '
-                         f'{axis_name!r} has {size}')
-      index = comm.index()
-    else:
-      index = jnp.zeros([], jnp.int32)
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args
-    )
-
-    # The schedule, replayed identically on every worker (no communication).
-    reach = state.progress + numerators
-    active_all = reach >= denominators
-    progress = jnp.where(active_all, reach - denominators, reach)
-    steps = state.round_steps + active_all.astype(jnp.int32)
-    finishing_all = active_all & (steps >= period_arr)
-    round_steps = jnp.where(finishing_all, 0, steps).astype(jnp.int32)
+    index = _worker_index(comm, num_workers)
+    active, progress, finishing, round_steps = schedule.tick(state)
     if not always_active:
-      active = active_all[index]
+      active = active[index]
       inner_updates = jax.tree.map(
           lambda u: jnp.where(active, u, jnp.zeros_like(u)), inner_updates)
       inner_state = jax.tree.map(
           lambda new, old: jnp.where(active, new, old), inner_state,
           state.inner_state)
+    tick = _Tick(state, params, inner_updates, index, finishing)
 
     def push(_):
-      local = optax.apply_updates(params, inner_updates)
-      delta = jax.tree.map(
-          lambda s, x: s - x.astype(s.dtype), state.start_params, local)
-      if comm is not None:
-        gathered = comm.all_gather(delta)
-      else:
-        gathered = jax.tree.map(lambda d: d[None], delta)
-
-      def apply(carry, w, push_w, applies=None):
-        """The server applies worker w's push; w pulls if it is this one."""
-        phi, server_state, num_pushes, pulled, version = carry
-        outer_updates, new_server_state = outer.update(
-            push_w, server_state, phi)
-        new_phi = optax.apply_updates(phi, outer_updates)
-        if applies is None:  # a static finisher
-          phi, server_state = new_phi, new_server_state
-          num_pushes = optax.safe_increment(num_pushes)
-          mine = index == w
-        else:  # decided on device
-          phi, server_state = jax.tree.map(
-              lambda new, old: jnp.where(applies, new, old),
-              (new_phi, new_server_state), (phi, server_state))
-          num_pushes = num_pushes + applies.astype(jnp.int32)
-          mine = applies & (index == w)
-        pulled = jax.tree.map(
-            lambda new, old: jnp.where(mine, new, old), phi, pulled)
-        version = jnp.where(mine, num_pushes, version)
-        return phi, server_state, num_pushes, pulled, version
-
-      carry = (state.server_params, state.server_state, state.num_pushes,
-               state.start_params, state.version)
-      if finishers is None:  # one loop over all workers, in index order
-        carry = comm.varying(carry) if comm is not None else carry
-        carry, _ = jax.lax.scan(
-            lambda c, xs: (apply(c, xs[0], xs[1], xs[2]), None), carry,
-            (jnp.arange(num_workers), gathered, finishing_all))
-      else:
-        for w in finishers:
-          carry = apply(carry, w, jax.tree.map(lambda g, w=w: g[w], gathered))
-      phi, server_state, num_pushes, pulled, version = carry
-      if finishers is None:
-        i_finish = finishing_all[index]
-      else:
-        i_finish = jnp.isin(index, jnp.asarray(finishers, jnp.int32))
-      new_updates = jax.tree.map(
-          lambda u, s, p: jnp.where(
-              i_finish, (s - p.astype(s.dtype)).astype(p.dtype), u),
-          inner_updates, pulled, params)
-      out = (new_updates, phi, server_state, pulled, num_pushes, version)
-      return out if comm is None else comm.varying(out)
+      return _push(outer, comm, tick, finishers)
 
     def no_push(_):
       out = (inner_updates, state.server_params, state.server_state,
@@ -460,11 +509,9 @@ def async_local_sgd(
       return out if comm is None else comm.varying(out)
 
     if finishers is None:
-      out = jax.lax.cond(jnp.any(finishing_all), push, no_push, None)
-    elif finishers:
-      out = push(None)
+      out = jax.lax.cond(jnp.any(finishing), push, no_push, None)
     else:
-      out = no_push(None)
+      out = push(None) if finishers else no_push(None)
     new_updates, phi, server_state, start, num_pushes, version = out
     return new_updates, AsyncLocalSgdState(
         inner_state=inner_state,
@@ -483,15 +530,13 @@ def async_local_sgd(
 
 def async_eval_params(state: AsyncLocalSgdState, params: optax.Params) -> Any:
   """The weights to evaluate: the server parameters in params dtypes."""
-  return jax.tree.map(
-      lambda s, p: s.astype(p.dtype), state.server_params, params)
+  return _local.cast_like(state.server_params, params)
 
 
 def push_bytes(params: Any, dtype: Any = jnp.float32) -> int:
   """Bytes of one push (and of one pull) in a parameter-server deployment:
   one pseudo-gradient (resp. the server parameters) at ``dtype``."""
-  size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  return size * jnp.dtype(dtype).itemsize
+  return _local.pseudo_gradient_bytes(params, dtype)
 
 
 def async_phase_bytes(

@@ -22,11 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loc_opt import _checks
 from loc_opt import compression
-# `loc_opt.outer.diloco` is shadowed by the function of that name.
-from loc_opt.outer.diloco import nesterov_outer
-from loc_opt.outer.diloco import pseudo_gradient_bytes
-from loc_opt.outer.diloco import init_anchor
+from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 
@@ -120,114 +118,67 @@ def eager_diloco(
 
   Example:
     >>> import optax
-    >>> from loc_opt.outer import eager
-    >>> tx = eager.eager_diloco(optax.adamw(4e-4), sync_every=30)
+    >>> import loc_opt
+    >>> tx = loc_opt.eager_diloco(optax.adamw(4e-4), sync_every=30)
 
   References:
     Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and
     Computation in DiLoCo*, 2025.
   """
-  plan_lib.check_period(sync_every)
+  _checks.positive_int(sync_every, 'sync_every')
   if codec is not None and axis_name is None:
     raise ValueError('eager_diloco with a codec needs an axis_name')
   inner = optax.with_extra_args_support(inner)
-  outer = nesterov_outer() if outer is None else outer
+  outer = _local.nesterov_outer() if outer is None else outer
   compressor = None if codec is None else compression.as_compressor(codec)
   comm = compression.Comm(axis_name) if axis_name is not None else None
-  varying = comm.varying if comm is not None else (lambda tree: tree)
 
-  def init_fn(params):
-    anchor = init_anchor(params, anchor_dtype)
-    zero = jnp.zeros([], jnp.int32)
-    return EagerDilocoState(
-        inner_state=inner.init(params),
-        anchor=anchor,
-        outer_state=outer.init(anchor),
-        prev_sent=jax.tree.map(jnp.zeros_like, anchor),
-        prev_mean=jax.tree.map(jnp.zeros_like, anchor),
-        count=zero,
-        steps_since_sync=zero,
-        num_syncs=zero,
-        codec_state=() if compressor is None else compressor.init(anchor),
-    )
+  init_fn = _local.periodic_init(
+      EagerDilocoState, inner, anchor_dtype, lambda anchor: dict(
+          outer_state=outer.init(anchor),
+          prev_sent=jax.tree.map(jnp.zeros_like, anchor),
+          prev_mean=jax.tree.map(jnp.zeros_like, anchor),
+          codec_state=() if compressor is None else compressor.init(anchor)))
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    if params is None:
-      raise ValueError('eager_diloco needs params: call update(updates, '
-                       'state, params)')
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
+  def sync_step(state, params, local, _):
+    delta = _local.pseudo_gradient(state.anchor, local)
+    mean, sent, codec_state = _local.worker_mean(
+        delta, state.codec_state, compressor=compressor, comm=comm,
+        seed=codec_seed, index=state.num_syncs,
+        mean_fn=_local.identity if comm is None else comm.pmean)
+    workers = 1 if comm is None else comm.size()
+    if naive:
+      proxy = state.prev_mean
+    else:  # (stale mean - own stale share) + own fresh share
+      proxy = jax.tree.map(
+          lambda d, pm, ps: (pm - ps / workers) + d / workers, delta,
+          state.prev_mean, state.prev_sent)
+    outer_updates, outer_state = outer.update(proxy, state.outer_state,
+                                              state.anchor)
+    anchor = optax.apply_updates(state.anchor, outer_updates)
+    return _local.updates_to(anchor, params), dict(
+        anchor=anchor, outer_state=outer_state, prev_sent=sent,
+        prev_mean=mean, codec_state=codec_state)
 
-    def outer_step(_):
-      local = optax.apply_updates(params, inner_updates)
-      delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), state.anchor,
-                           local)
-      codec_state = state.codec_state
-      if compressor is not None:
-        key = jax.random.fold_in(jax.random.key(codec_seed), state.num_syncs)
-        mean, sent, codec_state = compressor.mean(delta, codec_state, comm,
-                                                  key)
-        mean = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
-        sent = jax.tree.map(lambda m, d: m.astype(d.dtype), sent, delta)
-      elif comm is not None:
-        mean, sent = comm.pmean(delta), delta
-      else:
-        mean, sent = delta, delta
-      workers = 1 if comm is None else comm.size()
-      if naive:
-        proxy = state.prev_mean
-      else:  # (stale mean - own stale share) + own fresh share
-        proxy = jax.tree.map(
-            lambda d, pm, ps: (pm - ps / workers) + d / workers, delta,
-            state.prev_mean, state.prev_sent)
-      outer_updates, outer_state = outer.update(proxy, state.outer_state,
-                                                state.anchor)
-      anchor = optax.apply_updates(state.anchor, outer_updates)
-      new_updates = jax.tree.map(
-          lambda a, p: (a - p.astype(a.dtype)).astype(p.dtype), anchor, params)
-      return varying((new_updates, anchor, outer_state, sent, mean,
-                      codec_state, jnp.ones([], jnp.int32)))
-
-    def inner_only(_):
-      return varying((inner_updates, state.anchor, state.outer_state,
-                      state.prev_sent, state.prev_mean, state.codec_state,
-                      jnp.zeros([], jnp.int32)))
-
-    if sync not in (None, True, False):
-      raise ValueError(f'sync must be None, True or False, got {sync!r}')
-    out = plan_lib.branch(
-        sync, lambda: state.steps_since_sync + 1 >= sync_every,
-        lambda: outer_step(None), lambda: inner_only(None))
-    (new_updates, anchor, outer_state, prev_sent, prev_mean, codec_state,
-     synced) = out
-    count, since, num_syncs = plan_lib.advance(
-        state.count, state.steps_since_sync, state.num_syncs, synced)
-    new_state = EagerDilocoState(
-        inner_state=inner_state,
-        anchor=anchor,
-        outer_state=outer_state,
-        prev_sent=prev_sent,
-        prev_mean=prev_mean,
-        count=count,
-        steps_since_sync=since,
-        num_syncs=num_syncs,
-        codec_state=codec_state,
-    )
-    return new_updates, new_state
-
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='eager_diloco', sync_step=sync_step,
+      fields=('anchor', 'outer_state', 'prev_sent', 'prev_mean',
+              'codec_state'),
+      varying=_local.varying_fn(comm))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def eager_plan(sync_every: int) -> plan_lib.Plan:
   """The host-side plan of :func:`eager_diloco`: ``True`` on counts ``H - 1,
   2H - 1, ...``, else ``False``."""
-  return plan_lib.Plan(plan_lib.every(plan_lib.check_period(sync_every)))
+  return plan_lib.Plan(plan_lib.every(
+      _checks.positive_int(sync_every, 'sync_every')))
 
 
 def eager_eval_params(state: EagerDilocoState, params: optax.Params) -> Any:
   """The weights to evaluate: this worker's outer parameters ``phi_m``, in
   params dtypes (the workers' ``phi_m`` differ slightly by construction)."""
-  return jax.tree.map(lambda a, p: a.astype(p.dtype), state.anchor, params)
+  return _local.cast_like(state.anchor, params)
 
 
 def eager_bytes(
@@ -236,4 +187,4 @@ def eager_bytes(
   """Bytes one worker sends per sync: its pseudo-gradient at ``dtype`` or
   the payload of ``codec`` (the same as DiLoCo; only the latency budget
   grows to a whole round)."""
-  return pseudo_gradient_bytes(params, dtype, codec)
+  return _local.pseudo_gradient_bytes(params, dtype, codec)
