@@ -78,8 +78,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.spike_window = (0.2, 0.8)  # Fractions of the run to spike in.
 
   c.outer = ml_collections.ConfigDict()
-  # 'diloco', 'local_sgd', 'data_parallel' or 'compressed_data_parallel'
-  # (loc_opt.train.METHODS).
+  # A name of loc_opt.train.METHODS: 'diloco', 'local_sgd', 'data_parallel',
+  # 'compressed_data_parallel', or one of the DiLoCo family below, each with
+  # its section outer.<method>: 'streaming_diloco', 'eager_diloco', 'noloco',
+  # 'demo', 'sparseloco', 'desloc', 'mt_dao', 'async_local_sgd',
+  # 'edit_diloco', 'co2'.
   c.outer.method = 'diloco'
   c.outer.sync_every = 50  # H: inner steps between syncs.
   # How H changes over the run: a name of loc_opt.schedules.SYNC_SCHEDULES:

@@ -5,7 +5,7 @@ With local updates and a sync period far beyond the half-life of Adam's
 between syncs. The inner optimizer of MT-DAO keeps one or more *slow*
 momenta (``beta`` around 0.99 to 0.999) and mixes them with the raw gradient
 quasi-hyperbolically, as QHM and AdEMAMix do, over an Adam-style second
-moment. :func:`loc_opt.outer.desynced.mt_dao` wraps it in DES-LOC so that
+moment. :func:`loc_opt.outer.desloc.mt_dao` wraps it in DES-LOC so that
 each state is averaged over workers on its own period.
 
 References:

@@ -26,8 +26,10 @@ import optax
 from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.outer import _local
+from loc_opt.outer import plan as plan_lib
+from loc_opt.outer.plan import sync_period
 
-SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
+SyncEvery = plan_lib.SyncEvery
 
 
 class DilocoState(NamedTuple):
@@ -65,13 +67,6 @@ def _check_sync_every(sync_every: SyncEvery) -> None:
     raise TypeError(
         f'sync_every must be an int or a schedule, got {sync_every!r}')
   _checks.positive_int(sync_every, 'sync_every', arrays=True)
-
-
-def sync_period(sync_every: SyncEvery, count: jax.Array) -> jax.Array:
-  """The sync period H in force at inner step ``count`` (int32)."""
-  if callable(sync_every):
-    return jnp.maximum(jnp.asarray(sync_every(count), jnp.int32), 1)
-  return jnp.asarray(sync_every, jnp.int32)
 
 
 def diloco(

@@ -29,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loc_opt import _checks
 
 
-# A sync period: an int, or a schedule ``count -> H`` (int32).
-SyncEvery = int | Callable[[jax.Array], jax.Array]
+# A sync period: an int (or an int array), or a schedule ``count -> H``.
+SyncEvery = int | jax.typing.ArrayLike | Callable[[jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +189,6 @@ def every(period: int, offset: int = 0) -> Callable[[int], bool]:
     return count >= offset and (count - offset + 1) % period == 0
 
   return due
-
-
-def check_period(value: Any, name: str = 'sync_every') -> int:
-  """``value`` if it is a positive Python int, else a ``ValueError`` naming
-  ``name``."""
-  return _checks.positive_int(value, name)
 
 
 def branch(sync: Any, due: Callable[[], jax.Array],

@@ -230,7 +230,7 @@ def _phase(count: int, sync_every: int, num_fragments: int, overlap: int
   return (send, apply)
 
 
-def streaming_plan(sync_every: int, num_fragments: int, overlap: int = 0
+def streaming_plan(sync_every: int, num_fragments: int, overlap: int = 1
                    ) -> plan_lib.Plan:
   """The host-side plan of :func:`streaming_diloco`.
 
@@ -245,7 +245,8 @@ def streaming_plan(sync_every: int, num_fragments: int, overlap: int = 0
   Args:
     sync_every: ``H``, a multiple of ``num_fragments``.
     num_fragments: ``P``.
-    overlap: ``tau``, with ``0 <= tau < H / P``.
+    overlap: ``tau``, with ``0 <= tau < H / P`` (default 1, as
+      :func:`streaming_diloco`).
 
   Returns:
     A :class:`loc_opt.outer.plan.Plan`.
@@ -394,7 +395,7 @@ def streaming_diloco(
     sync_every: int,
     num_fragments: int | None = None,
     fragments: Any | FragmentFn | None = None,
-    overlap: int = 0,
+    overlap: int = 1,
     alpha: float | None = None,
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
@@ -450,7 +451,8 @@ def streaming_diloco(
       ``fragment_ids(params, num_fragments)`` (strided blocks, non-block
       leaves apart).
     overlap: ``tau``, inner steps between a fragment's send and its outer
-      update, ``0 <= tau < H / P``.
+      update, ``0 <= tau < H / P``; default 1, the paper's headline setting
+      (a sync may take as long as one inner step). 0: no overlap.
     alpha: the weight of the local fragment in the blend; default 0.5 when
       ``tau > 0`` (the paper's choice), else 0 (replace by the global value).
     outer: the outer optimizer (default :func:`loc_opt.outer.nesterov_outer`, lr

@@ -26,7 +26,7 @@ from loc_opt import compression
 from loc_opt import models
 from loc_opt import outer as outer_lib
 from loc_opt.outer import plan as plan_lib
-from loc_opt.outer.desynced import DEFAULT_STATE_FACTORS
+from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method

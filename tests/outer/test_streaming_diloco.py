@@ -29,7 +29,7 @@ def test_conformance(tmp_path):
 def test_one_fragment_no_overlap_is_diloco():
   kw = dict(sync_every=3, outer=loc_opt.outer.nesterov_outer(0.7, 0.9))
   got, state = helpers.run_workers(outer.streaming_diloco(
-      optax.adam(1e-2), num_fragments=1, **kw), 10)
+      optax.adam(1e-2), num_fragments=1, overlap=0, **kw), 10)
   want, want_state = helpers.run_workers(loc_opt.diloco(optax.adam(1e-2), **kw),
                                          10)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
@@ -282,9 +282,9 @@ def test_fp4_codec_sends_through_each_fragment():
       compression.fp4_codec('e3m0', block_size=None)))
   tx = outer.streaming_diloco(
       optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0},
-      codec=codec)
+      overlap=0, codec=codec)
   exact = outer.streaming_diloco(
-      optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0})
+      optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0}, overlap=0)
   params, state = helpers.run_workers(tx, 2)  # fragment 1 ('w') synced once
   want, _ = helpers.run_workers(exact, 2)
   # Workers agree after the sync; fp4 lands near the exact mean.
@@ -350,7 +350,7 @@ def test_hlo_bytes_per_phase():
 def test_switch_program_sends_only_inside_branches():
   mesh = parallel.make_worker_mesh(M, data=2)
   tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=6,
-                              num_fragments=3)
+                              num_fragments=3, overlap=0)
   report = helpers.phase_report(tx, helpers.stack(hlo_params()), None, mesh)
   assert report.cross_worker_bytes == 0
   (branches,) = report.branches.values()
