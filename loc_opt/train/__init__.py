@@ -14,6 +14,7 @@ Modules, each with one job (data flows down):
 * ``from_checkpoints``: WSD(-S) branches and WSM merges of saved runs.
 """
 
+from loc_opt.train._deprecated import SyncPlan
 from loc_opt.train.checkpoint import CheckpointError
 from loc_opt.train.config import make_sync_every
 from loc_opt.train.experiment import build_experiment

@@ -341,3 +341,16 @@ def test_config_without_new_fields_still_builds(data_dir):
   del config['init_from']
   exp_lib.validate_config(config, 8)
   assert isinstance(config, ml_collections.ConfigDict)
+
+
+def test_deprecated_sync_plan_warns_and_matches_the_period_plan():
+  h = schedules.step_sync_schedule({0: 3, 20: 7})
+  with pytest.warns(DeprecationWarning, match='period_plan'):
+    old = train.SyncPlan(h, 40)
+  new = loc_opt.outer.plan.period_plan(h, 40)
+  assert old.periods.tolist() == new.period_fn.table.tolist()
+  since = 0
+  for t in range(40):
+    assert old.syncs(t, since) == new(t, since)
+    assert old.period(t) == (3 if t < 20 else 7)
+    since = 0 if new(t, since) else since + 1
