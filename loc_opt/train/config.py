@@ -109,9 +109,22 @@ def outer_optimizer(config: ml_collections.ConfigDict
   """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer:
   Nesterov SGD (DiLoCo's outer step) or heavy-ball SGD."""
   cfg = config.outer
-  if not cfg.get('nesterov', True):
+  if not cfg.nesterov:
     return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
   return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
+
+
+def compressor_kwargs(config: ml_collections.ConfigDict
+                      ) -> dict[str, Any]:
+  """The arguments of ``compression.build_compressor`` that the ``outer``
+  section sets (``error_feedback``, ``econtrol_eta``); absent fields take
+  its defaults."""
+  cfg = config.outer
+  kwargs = {f: cfg[f] for f in ('error_feedback', 'econtrol_eta') if f in cfg}
+  if 'error_feedback' in kwargs:
+    _checks.one_of(kwargs['error_feedback'], 'outer.error_feedback',
+                   compression.FEEDBACK)
+  return kwargs
 
 
 def make_compressor(config: ml_collections.ConfigDict
@@ -124,21 +137,18 @@ def make_compressor(config: ml_collections.ConfigDict
   (smaller leaves are sent in fp32 and get no error buffer).
   """
   cfg = config.outer
-  name = cfg.get('codec', 'none')
   try:
     scheme = compression.make_compressor(
-        name, field='outer.codec', **dict(cfg.get('codec_kwargs', {})))
+        cfg.codec, field='outer.codec', **dict(cfg.codec_kwargs))
   except TypeError as e:
-    raise ValueError(f'outer.codec_kwargs do not fit codec {name!r}: {e}') \
-        from e
-  mode = _checks.one_of(cfg.get('error_feedback', 'none'),
-                        'outer.error_feedback', compression.FEEDBACK)
-  min_size = _checks.nonnegative_int(cfg.get('compress_min_size', 0),
+    raise ValueError(f'outer.codec_kwargs do not fit codec {cfg.codec!r}: '
+                     f'{e}') from e
+  kwargs = compressor_kwargs(config)
+  min_size = _checks.nonnegative_int(cfg.compress_min_size,
                                      'outer.compress_min_size')
   return compression.build_compressor(
-      scheme, error_feedback=mode,
-      econtrol_eta=cfg.get('econtrol_eta', 0.1),
-      eligible=compression.min_size(min_size) if min_size else None)
+      scheme, eligible=compression.min_size(min_size) if min_size else None,
+      **kwargs)
 
 
 def _lr_warmup_steps(config: ml_collections.ConfigDict) -> int:

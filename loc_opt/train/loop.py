@@ -130,7 +130,7 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
   """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
   programs = exp.programs
   position = int(jax.device_get(state['data_position']))
-  halt_after = config.get('halt_after_steps', 0) or 0
+  halt_after = config.halt_after_steps
   start = counters.step
   while counters.step < config.num_steps:
     if halt_after and counters.step - start >= halt_after:
@@ -225,7 +225,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   compile_s = time.perf_counter() - t0
   data = exp_lib.load_data(config)
   progress = metrics_lib.Progress(config.num_steps, every=config.log_every,
-                                  enabled=config.get('progress', True))
+                                  enabled=config.progress)
   # A branch reads the other run's state before anything is written here,
   # so a bad branch leaves no trace.
   branch = (ckpt_lib.restore_branch(init_from.workdir, init_from.step,

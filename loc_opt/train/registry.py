@@ -84,7 +84,7 @@ def _build_local_sgd(config, inner, axis_name):
 
 
 def _build_compressed_dp(config, inner, axis_name):
-  start = _checks.nonnegative_int(config.outer.get('compress_start_step', 0),
+  start = _checks.nonnegative_int(config.outer.compress_start_step,
                                   'outer.compress_start_step')
   reduce = compression.compressed_all_reduce(
       cfg_lib.make_compressor(config), axis_name, start_step=start)

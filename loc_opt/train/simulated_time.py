@@ -13,6 +13,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from loc_opt import _checks
 from loc_opt import parallel
 
 
@@ -38,19 +39,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   wc = config.get('wallclock')
   if wc is None:
     return
-  if not wc.get('step_time_s', 0.1) > 0:
-    raise ValueError(f'wallclock.step_time_s must be positive, got '
-                     f'{wc.step_time_s}')
-  bands = tuple(wc.get('bandwidths_gbps', ()) or ())
-  if any(not float(b) > 0 for b in bands):
-    raise ValueError(f'wallclock.bandwidths_gbps must be positive, got '
-                     f'{bands}')
-  if wc.get('latency_s', 0.0) < 0:
-    raise ValueError(f'wallclock.latency_s must be >= 0, got '
-                     f'{wc.latency_s}')
-  if wc.get('model_params', 0) < 0:
-    raise ValueError(f'wallclock.model_params must be >= 0, got '
-                     f'{wc.model_params}')
+  _checks.positive_float(wc.step_time_s, 'wallclock.step_time_s')
+  for gbps in tuple(wc.bandwidths_gbps or ()):
+    _checks.positive_float(gbps, 'wallclock.bandwidths_gbps')
+  _checks.nonnegative_float(wc.latency_s, 'wallclock.latency_s')
+  _checks.nonnegative_int(wc.model_params, 'wallclock.model_params')
   worker_speeds(config)
 
 
@@ -98,13 +91,16 @@ def simulate_run(exp: Any, link: parallel.Link, *,
 
 def wallclock_summary(exp: Any) -> dict[str, Any]:
   """The ``wallclock`` part of a run summary: per bandwidth, simulated
-  seconds, compute utilization and exposed communication seconds."""
-  wc = exp.config.get('wallclock') or ml_collections.ConfigDict()
-  out = {'step_time_s': float(wc.get('step_time_s', 0.1)),
-         'latency_s': float(wc.get('latency_s', 0.0)),
-         'model_params': int(wc.get('model_params', 0)),
+  seconds, compute utilization and exposed communication seconds (empty
+  when the config has no ``wallclock`` section)."""
+  wc = exp.config.get('wallclock')
+  if wc is None:
+    return {}
+  out = {'step_time_s': float(wc.step_time_s),
+         'latency_s': float(wc.latency_s),
+         'model_params': int(wc.model_params),
          'worker_speeds': list(worker_speeds(exp.config))}
-  for gbps in wc.get('bandwidths_gbps', (1.0, 100.0)) or ():
+  for gbps in wc.bandwidths_gbps or ():
     clock = simulate_run(
         exp, parallel.Link(float(gbps), out['latency_s']),
         step_time_s=out['step_time_s'], model_params=out['model_params'])

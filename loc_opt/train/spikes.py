@@ -19,7 +19,7 @@ References:
 """
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,13 +137,41 @@ def _check_count(value, field: str) -> int:
   return int(value)
 
 
+def spike_kwargs(optimizer: ml_collections.ConfigDict
+                 ) -> dict[Any, dict[str, Any]]:
+  """``{library function: arguments}`` from the spike fields an
+  ``optimizer`` section sets (``spike_seed``, ``spike_window`` for
+  :func:`spike_steps`, ``spike_scale`` for :func:`inject_gradient_spikes`);
+  absent fields take the functions' defaults.
+
+  Raises:
+    ValueError: naming the bad field.
+  """
+  steps, inject = {}, {}
+  if 'spike_seed' in optimizer:
+    steps['seed'] = _check_count(optimizer.spike_seed, 'optimizer.spike_seed')
+  if 'spike_window' in optimizer:
+    steps['window'] = tuple(optimizer.spike_window)
+    if len(steps['window']) != 2:
+      raise ValueError(f'optimizer.spike_window must be (lo, hi), got '
+                       f'{steps["window"]}')
+  if 'spike_scale' in optimizer:
+    scale = optimizer.spike_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+        or not np.isfinite(scale) or scale <= 0:
+      raise ValueError(f'optimizer.spike_scale must be a finite number > 0, '
+                       f'got {scale!r}')
+    inject['scale'] = float(scale)
+  return {spike_steps: steps, inject_gradient_spikes: inject}
+
+
 def spikes_from_config(
     optimizer: ml_collections.ConfigDict, num_steps: int,
 ) -> tuple[optax.GradientTransformation | None, list[int]]:
   """The spike transform an ``optimizer`` config section asks for.
 
-  Fields (all optional): ``spike_num`` (0: off), ``spike_scale``,
-  ``spike_seed`` and ``spike_window`` (see :func:`spike_steps`).
+  Fields: ``spike_num`` (0 or absent: off) and those of
+  :func:`spike_kwargs`.
 
   Returns:
     ``(transform or None, spike counts)``.
@@ -154,18 +182,10 @@ def spikes_from_config(
   num = _check_count(optimizer.get('spike_num', 0), 'optimizer.spike_num')
   if num == 0:
     return None, []
-  scale = optimizer.get('spike_scale', 1000.0)
-  if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-      or not np.isfinite(scale) or scale <= 0:
-    raise ValueError(f'optimizer.spike_scale must be a finite number > 0, '
-                     f'got {scale!r}')
-  seed = _check_count(optimizer.get('spike_seed', 0), 'optimizer.spike_seed')
-  window = tuple(optimizer.get('spike_window', (0.2, 0.8)))
-  if len(window) != 2:
-    raise ValueError(f'optimizer.spike_window must be (lo, hi), got {window}')
+  kwargs = spike_kwargs(optimizer)
   try:
-    steps = spike_steps(num_steps, num, seed=seed, window=window)
+    steps = spike_steps(num_steps, num, **kwargs[spike_steps])
   except ValueError as e:
     raise ValueError(f'optimizer.spike_num / optimizer.spike_window: {e}') \
         from e
-  return inject_gradient_spikes(steps, float(scale)), steps
+  return inject_gradient_spikes(steps, **kwargs[inject_gradient_spikes]), steps

@@ -205,14 +205,6 @@ def test_config_defaults_are_the_library_defaults(data_dir, name):
       assert value == want, (name, fn.__name__, arg, value, want)
 
 
-def test_shared_outer_defaults_are_the_library_defaults(data_dir):
-  # outer.learning_rate / momentum: DiLoCo's Nesterov outer optimizer.
-  config = tiny_config(data_dir)
-  for arg in ('learning_rate', 'momentum'):
-    assert config.outer[arg] == registry.library_default(
-        outer.nesterov_outer, arg), arg
-
-
 def test_every_method_section_is_read(data_dir):
   # Every outer.<section> of the config belongs to a method (no stale keys).
   config = tiny_config(data_dir)
