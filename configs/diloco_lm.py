@@ -179,6 +179,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.staleness_penalty = 1.0  # lambda.
   s.clip = 1.0  # Element-wise clip of the momentum (0 = none).
 
+  # Non-finite steps (loc_opt.train.faults): a worker skips an inner step
+  # whose loss or gradients are NaN / Inf (zeros them on a step that syncs);
+  # bad steps are counted (metrics faults/bad_steps).
+  c.faults = ml_collections.ConfigDict()
+  # Stop after this many consecutive bad steps on a worker (0: never);
+  # checked every log_every steps.
+  c.faults.max_bad_steps = 10
+  c.faults.nan_grad_steps = ()  # Inject NaN gradients at these steps...
+  c.faults.nan_grad_workers = ()  # ...on these workers (() = every worker).
+
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the
   # summary reports simulated seconds and compute utilization per bandwidth.

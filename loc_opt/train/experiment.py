@@ -25,6 +25,7 @@ from loc_opt import outer as outer_lib
 from loc_opt import parallel
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
+from loc_opt.train import faults
 from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
@@ -106,6 +107,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   _check_method(config)
   simulated_time.validate(config)
   spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
+  faults.settings(config)
   _check_init_from(config)
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
@@ -197,9 +199,8 @@ def build_experiment(config: ml_collections.ConfigDict,
       abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker)
   abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
   programs = programs_lib.build_programs(
-      config, model, tx, method, mesh, shardings, abstract,
-      eval_params_fn(method, abstract['opt_state']),
-      plan.phases(config.num_steps))
+      config, model, tx, method, plan, mesh, shardings, abstract,
+      eval_params_fn(method, abstract['opt_state']))
   _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
                                                  config.num_steps)
   return Experiment(config, mesh, model, method, tx, shardings, abstract,

@@ -23,6 +23,7 @@ import numpy as np
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
+from loc_opt.train import faults
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import simulated_time
 
@@ -34,6 +35,7 @@ class _Counters:
   since_sync: int
   syncs: int
   cross_worker_bytes: int
+  bad_steps: int = 0  # non-finite steps, all workers (read when logging)
 
   def advance(self, synced: bool, step_bytes: int) -> None:
     self.step += 1
@@ -114,6 +116,7 @@ class _Logger:
     sync_bytes = self.exp.sync_bytes()
     if sync_bytes is not None:
       scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
+    scalars['faults/bad_steps'] = counters.bad_steps
     if evaluate:
       scalars['eval/loss'] = self.exp.evaluate(state, self.eval_batches)
     self.writer.write(step, scalars)
@@ -131,6 +134,7 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
   programs = exp.programs
   position = int(jax.device_get(state['data_position']))
   halt_after = config.halt_after_steps
+  max_bad = faults.settings(config)['max_bad_steps']
   start = counters.step
   while counters.step < config.num_steps:
     if halt_after and counters.step - start >= halt_after:
@@ -145,8 +149,10 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     counters.advance(exp.plan.is_sync(phase), step_bytes)
     log_now, eval_now = logger.due(counters.step)
     if log_now or eval_now:
+      counters.bad_steps = faults.check(state, counters.step, max_bad)
       logger.log(counters, state, loss_arr, step_bytes, eval_now)
     if ckpt.should_save(counters.step, config.num_steps):
+      faults.check_params(state['params'], counters.step)
       ckpt.save(counters.step, state, config_json)
     if log_now or eval_now:
       logger.restart_clock(counters.step)
@@ -168,6 +174,7 @@ def _summary(exp, config, counters, logger, workdir, compile_s
       'final_train_loss': logger.loss,
       'cross_worker_bytes': counters.cross_worker_bytes,
       'syncs': counters.syncs,
+      'bad_steps': counters.bad_steps,
       'data_parallel_cross_worker_bytes': dp_step * config.num_steps,
       'bytes_per_inner_step': nbytes[exp.programs.steps.phases[0]],
       'bytes_per_sync_step': exp.sync_bytes(),

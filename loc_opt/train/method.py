@@ -49,6 +49,9 @@ class Method:
       overlap before its result is needed (the wall-clock model).
     waits_for_stragglers: whether every worker waits for the slowest one
       (synchronous methods; the wall-clock model).
+    local_inner_steps: whether the inner phase talks to no other worker, so
+      a worker can skip a non-finite inner step on its own
+      (``loc_opt.train.faults``); false for compressed data parallel.
     section: the method's own config section, ``outer.<section>`` (None if
       it has none).
     library_kwargs: ``config -> {library function: keyword arguments}``, the
@@ -65,6 +68,7 @@ class Method:
   follows_sync_schedule: bool = False
   overlap_steps: Callable[[Config], int] = lambda config: 0
   waits_for_stragglers: bool = True
+  local_inner_steps: bool = True
   section: str | None = None
   library_kwargs: Callable[[Config], Mapping[Callable[..., Any],
                                              dict[str, Any]]] | None = None

@@ -26,6 +26,7 @@ import optax
 
 from loc_opt import models
 from loc_opt import parallel
+from loc_opt.train import faults
 from loc_opt.train.method import Method
 
 P = jax.P
@@ -129,27 +130,52 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
                               sharding=batch_sharding(mesh, per_worker))
 
 
-def _train_steps(config, model, tx, method: Method, mesh, shardings,
+def _worker_step(model, tx, fault_cfg, per_worker):
+  """One worker's step: gradients (with injected faults), the update, and
+  the skip of a non-finite step (``loc_opt.train.faults``)."""
+  nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
+      fault_cfg['nan_grad_workers']
+
+  def worker_step(params, opt_state, counters, batch, step, *, sync,
+                  skippable):
+    loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
+        params, batch)
+    worker = jax.lax.axis_index(parallel.WORKER) if per_worker else None
+    grads = faults.inject(grads, step, worker, nan_steps, nan_workers)
+    ok = jnp.isfinite(loss) & faults.all_finite(grads)
+    grads = faults.zero_if_not(ok, grads)
+    updates, new_state = tx.update(grads, opt_state, params, sync=sync)
+    new_params = optax.apply_updates(params, updates)
+    if skippable:  # an inner step: skip it where it went bad
+      new_params = faults.keep_if(ok, new_params, params)
+      new_state = faults.keep_if(ok, new_state, opt_state)
+    return new_params, new_state, faults.advance(counters, ok), loss
+
+  return worker_step
+
+
+def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
                  abstract_state, phases) -> StepPrograms:
   """The train step of every phase, the first few compiled now."""
   abstract_batch = _abstract_batch(config, mesh, method.per_worker)
   loss_sharding = jax.NamedSharding(
       mesh, P(parallel.WORKER) if method.per_worker else P())
-
-  def worker_step(params, opt_state, batch, *, sync):
-    loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
-        params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params, sync=sync)
-    return optax.apply_updates(params, updates), opt_state, loss
+  worker_step = _worker_step(model, tx, faults.settings(config),
+                             method.per_worker)
 
   def make_step(sync):
-    run = functools.partial(worker_step, sync=sync)
+    # Only a step that talks to no other worker can be skipped on its own.
+    skippable = method.local_inner_steps and sync == plan.inner
+    run = functools.partial(worker_step, sync=sync, skippable=skippable)
     if method.per_worker:
-      run = parallel.shard_map_workers(run, mesh)
+      run = parallel.shard_map_workers(run, mesh,
+                                       in_axes=(0, 0, 0, 0, None))
 
     def step(state, batch):
-      params, opt_state, loss = run(state['params'], state['opt_state'], batch)
-      new = dict(state, params=params, opt_state=opt_state,
+      params, opt_state, counters, loss = run(
+          state['params'], state['opt_state'], state['faults'], batch,
+          state['step'])
+      new = dict(state, params=params, opt_state=opt_state, faults=counters,
                  step=state['step'] + 1,
                  data_position=state['data_position'] + 1)
       return new, loss
@@ -173,16 +199,15 @@ def _train_steps(config, model, tx, method: Method, mesh, shardings,
 
 def build_programs(config: ml_collections.ConfigDict, model: models.Model,
                    tx: optax.GradientTransformation, method: Method,
-                   mesh: jax.sharding.Mesh, shardings: Any,
-                   abstract_state: Any, eval_params: Any,
-                   phases: tuple[Any, ...]) -> Programs:
+                   plan: Any, mesh: jax.sharding.Mesh, shardings: Any,
+                   abstract_state: Any, eval_params: Any) -> Programs:
   """Compiles the train step of each phase and the evaluation programs.
 
   Every worker evaluates its eval weights on its slice of the eval batch,
   so evaluation itself crosses no worker boundary.
   """
-  steps = _train_steps(config, model, tx, method, mesh, shardings,
-                       abstract_state, phases)
+  steps = _train_steps(config, model, tx, method, plan, mesh, shardings,
+                       abstract_state, plan.phases(config.num_steps))
 
   def worker_eval(params, opt_state, batch):
     return loss_fn(model, eval_params(opt_state, params), batch)

@@ -331,7 +331,8 @@ METHODS: Mapping[str, Method] = {
     # compressed payloads (outer.codec) cross workers, every step.
     'compressed_data_parallel': Method(
         per_worker=True, build=_build_compressed_dp,
-        plan=lambda config: plan_lib.no_sync_plan()),
+        plan=lambda config: plan_lib.no_sync_plan(),
+        local_inner_steps=False),
     'streaming_diloco': Method(
         per_worker=True, build=_build_streaming, plan=_streaming_plan,
         eval_params=outer_lib.streaming_eval_params,

@@ -1,8 +1,9 @@
 """The train state: one pytree with everything a run needs to resume.
 
-``{'params', 'opt_state', 'step', 'data_position', 'rng'}``. Under a
-local-update method (``Method.per_worker``) every array of ``params`` and
-``opt_state`` carries a leading worker axis sharded over the mesh's
+``{'params', 'opt_state', 'faults', 'step', 'data_position', 'rng'}``.
+Under a local-update method (``Method.per_worker``) every array of
+``params``, ``opt_state`` and ``faults`` carries a leading worker axis
+sharded over the mesh's
 ``worker`` axis; inside a worker each leaf keeps the sharding of the
 parameter it belongs to (FSDP / tensor specs of the model).
 """
@@ -15,6 +16,7 @@ import optax
 
 from loc_opt import models
 from loc_opt import parallel
+from loc_opt.train import faults
 from loc_opt.train.method import Method
 
 P = jax.P
@@ -34,6 +36,8 @@ def init_state(rng: jax.Array, *, model: models.Model,
   return {
       'params': params,
       'opt_state': opt_state,
+      # Non-finite steps per worker (loc_opt.train.faults).
+      'faults': faults.init(workers if method.per_worker else None),
       'step': jnp.zeros([], jnp.int32),
       'data_position': jnp.zeros([], jnp.int32),
       'rng': jax.random.key_data(rng),
@@ -74,6 +78,8 @@ def state_shardings(abstract_state, specs, mesh, per_worker: bool):
       if per_worker:
         spec = P(parallel.WORKER, *spec)
       return jax.NamedSharding(mesh, spec)
+    if top == "['faults']" and per_worker:
+      return jax.NamedSharding(mesh, P(parallel.WORKER))
     return jax.NamedSharding(mesh, P())
 
   return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state)

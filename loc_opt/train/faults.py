@@ -1,0 +1,135 @@
+"""Non-finite steps: skipped where they happen, counted, and bounded.
+
+A worker whose loss or gradients are NaN / Inf on an inner step (the plan's
+inner phase, which talks to no other worker) skips that step: its parameters
+and optimizer state stay as they were. On any other step (a sync, a
+fragment's send or apply, compressed data parallel's every step) the worker
+cannot skip on its own, so its non-finite gradients are replaced by zeros
+for that step's inner update and it takes part with finite values. Under
+data parallelism the whole step is skipped. Every bad step is counted in the
+train state (``state['faults']``: ``bad_steps``, the total per worker, and
+``bad_streak``, the current run of consecutive bad steps) and reported in
+the metrics (``faults/bad_steps``).
+
+After ``faults.max_bad_steps`` consecutive bad steps on any worker the run
+stops with a :class:`NonFiniteError` (checked at every logging step), and a
+checkpoint is never written with non-finite parameters.
+
+The ``faults`` config section also injects faults for tests and research:
+NaN gradients at given steps (``nan_grad_steps``) on given workers
+(``nan_grad_workers``; empty: every worker).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from loc_opt import _checks
+
+
+class NonFiniteError(RuntimeError):
+  """Too many consecutive non-finite steps, or non-finite parameters."""
+
+
+def _ints(value: Any, name: str) -> tuple[int, ...]:
+  values = tuple(value or ())
+  for v in values:
+    _checks.nonnegative_int(v, name)
+  return values
+
+
+def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ``faults`` section, validated: ``nan_grad_steps``,
+  ``nan_grad_workers`` (worker indices below ``mesh.workers``) and
+  ``max_bad_steps`` (0: never stop). Without a section: no injection, and
+  no limit."""
+  section = config.get('faults') or ml_collections.ConfigDict()
+  steps = _ints(section.get('nan_grad_steps'), 'faults.nan_grad_steps')
+  workers = _ints(section.get('nan_grad_workers'), 'faults.nan_grad_workers')
+  for w in workers:
+    if w >= config.mesh.workers:
+      raise ValueError(f'faults.nan_grad_workers has worker {w}, but there '
+                       f'are mesh.workers={config.mesh.workers}')
+  limit = _checks.nonnegative_int(section.get('max_bad_steps', 0),
+                                  'faults.max_bad_steps')
+  return {'nan_grad_steps': steps, 'nan_grad_workers': workers,
+          'max_bad_steps': limit}
+
+
+def init(workers: int | None) -> dict[str, jax.Array]:
+  """The counters: int32 ``[workers]`` (per worker) or scalars (None)."""
+  shape = () if workers is None else (workers,)
+  zeros = jnp.zeros(shape, jnp.int32)
+  return {'bad_steps': zeros, 'bad_streak': zeros}
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every float leaf of ``tree`` is finite."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def inject(grads: Any, step: jax.Array, worker: jax.Array | None,
+           steps: Sequence[int], workers: Sequence[int]) -> Any:
+  """``grads`` with NaN in their first leaf at the configured steps (and
+  workers; ``worker`` None: every worker)."""
+  if not steps:
+    return grads
+  hit = jnp.isin(step, jnp.asarray(steps, jnp.int32))
+  if workers and worker is not None:
+    hit &= jnp.isin(worker, jnp.asarray(workers, jnp.int32))
+  leaves, treedef = jax.tree.flatten(grads)
+  leaves[0] = jnp.where(hit, jnp.nan, leaves[0]).astype(leaves[0].dtype)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _keep(ok: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new`` where ``ok`` else ``old`` (PRNG keys through their data)."""
+  if jnp.issubdtype(new.dtype, jax.dtypes.prng_key):
+    data = jnp.where(ok, jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+  return jnp.where(ok, new, old)
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+  """The tree ``new`` where ``ok``, else ``old`` (a skipped step)."""
+  return jax.tree.map(lambda n, o: _keep(ok, n, o), new, old)
+
+
+def zero_if_not(ok: jax.Array, grads: Any) -> Any:
+  """``grads``, or zeros when ``ok`` is false (NaN * 0 is NaN: select)."""
+  return jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+
+
+def advance(counters: dict[str, jax.Array], ok: jax.Array
+            ) -> dict[str, jax.Array]:
+  """The counters after a step that was finite (``ok``) or not."""
+  bad = jnp.logical_not(ok).astype(jnp.int32)
+  return {'bad_steps': counters['bad_steps'] + bad,
+          'bad_streak': jnp.where(ok, 0, counters['bad_streak'] + 1)}
+
+
+def check(state: dict[str, Any], step: int, max_bad_steps: int) -> int:
+  """The total of bad steps so far; raises :class:`NonFiniteError` when a
+  worker has had ``max_bad_steps`` bad steps in a row (0: no limit)."""
+  counters = jax.device_get(state['faults'])
+  streak = int(np.max(counters['bad_streak']))
+  if max_bad_steps and streak >= max_bad_steps:
+    raise NonFiniteError(
+        f'{streak} consecutive steps with non-finite loss or gradients '
+        f'up to step {step} (faults.max_bad_steps={max_bad_steps}); the run '
+        'stops, its last checkpoint holds finite parameters')
+  return int(np.sum(counters['bad_steps']))
+
+
+def check_params(params: Any, step: int) -> None:
+  """Raises :class:`NonFiniteError` if ``params`` are not all finite (so a
+  checkpoint is never written with them)."""
+  if not bool(jax.device_get(all_finite(params))):
+    raise NonFiniteError(f'non-finite parameters at step {step}; not '
+                         'saving a checkpoint, the previous one is finite')

@@ -1,0 +1,105 @@
+"""Non-finite steps (loc_opt.train.faults): skipped where they happen,
+counted, bounded, and never checkpointed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loc_opt import train
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import experiment as exp_lib
+from loc_opt.train import faults
+from tests.train._helpers import leaves
+from tests.train._helpers import tiny_config
+
+
+def _one_step(config, phase=False):
+  exp = exp_lib.build_experiment(config)
+  state = exp.init_state()
+  before = jax.device_get(state)
+  batch = exp_lib.load_data(config).train.batch(0)
+  if not exp.method.per_worker:
+    batch = batch.reshape(-1, batch.shape[-1])
+  after, _ = exp.programs.steps[phase](state, batch)
+  return before, jax.device_get(after)
+
+
+def test_a_non_finite_inner_step_is_skipped_on_its_worker_only(data_dir):
+  config = tiny_config(data_dir, **{'faults.nan_grad_steps': (0,),
+                                    'faults.nan_grad_workers': (1,)})
+  before, after = _one_step(config)
+  for old, new in zip(jax.tree.leaves((before['params'],
+                                       before['opt_state'])),
+                      jax.tree.leaves((after['params'], after['opt_state']))):
+    old, new = np.asarray(old), np.asarray(new)
+    np.testing.assert_array_equal(new[1], old[1])  # skipped, bit for bit
+  # The other workers stepped (their Adam moments moved; the learning rate
+  # of step 0 is 0 under the warmup, so their parameters did not).
+  changed = [not np.array_equal(np.asarray(o)[0], np.asarray(n)[0])
+             for o, n in zip(jax.tree.leaves(before['opt_state']),
+                             jax.tree.leaves(after['opt_state']))]
+  assert sum(changed) >= len(jax.tree.leaves(before['params']))
+  np.testing.assert_array_equal(after['faults']['bad_steps'], [0, 1, 0, 0])
+  np.testing.assert_array_equal(after['faults']['bad_streak'], [0, 1, 0, 0])
+  assert all(np.isfinite(x).all() for x in leaves(after['params']))
+
+
+def test_data_parallel_skips_the_whole_step(data_dir):
+  config = tiny_config(data_dir, **{'outer.method': 'data_parallel',
+                                    'faults.nan_grad_steps': (0,)})
+  before, after = _one_step(config)
+  for old, new in zip(leaves(before['params']), leaves(after['params'])):
+    np.testing.assert_array_equal(new, old)
+  assert int(after['faults']['bad_steps']) == 1
+
+
+def test_nan_on_a_sync_step_keeps_every_worker_finite(data_dir, tmp_path):
+  # Step 3 syncs (H = 4): the bad workers' gradients are zeroed for the
+  # inner update and the sync averages finite pseudo-gradients.
+  config = tiny_config(data_dir, **{'faults.nan_grad_steps': (3,),
+                                    'faults.nan_grad_workers': (0, 2)})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['bad_steps'] == 2
+  assert np.isfinite(summary['final_eval_loss'])
+  assert all(np.isfinite(x).all() for x in leaves(summary['state']['params']))
+  records = train.read_metrics(tmp_path)
+  assert [r['faults/bad_steps'] for r in records if 'faults/bad_steps' in r
+          ][-1] == 2
+
+
+def test_consecutive_bad_steps_stop_the_run_with_finite_checkpoints(
+    data_dir, tmp_path):
+  config = tiny_config(data_dir, **{
+      'faults.nan_grad_steps': tuple(range(5, 12)),
+      'faults.max_bad_steps': 3, 'log_every': 1, 'checkpoint_every': 2})
+  with pytest.raises(faults.NonFiniteError, match='max_bad_steps=3'):
+    train.train_and_evaluate(config, tmp_path)
+  ckpt = ckpt_lib.Checkpointer(tmp_path, every=2, max_to_keep=2)
+  step = ckpt.latest_step()
+  # Steps 5, 6, 7 (0-based) were bad: the run stopped when it logged step
+  # 8, before saving it; the last checkpoint is the one of step 6.
+  assert step == 6
+  exp = exp_lib.get_experiment(config)
+  _, state = ckpt.restore(exp.abstract_state,
+                          train.config.config_to_json(config))
+  ckpt.close()
+  assert all(np.isfinite(x).all() for x in leaves(state['params']))
+
+
+def test_non_finite_params_are_never_saved():
+  faults.check_params({'w': jnp.ones(3)}, 4)
+  with pytest.raises(faults.NonFiniteError, match='step 4'):
+    faults.check_params({'w': jnp.array([1.0, jnp.nan])}, 4)
+
+
+@pytest.mark.parametrize('field, value', [
+    ('faults.nan_grad_workers', (4,)),
+    ('faults.nan_grad_steps', (-1,)),
+    ('faults.max_bad_steps', -1),
+])
+def test_bad_fault_fields_are_named(data_dir, tmp_path, field, value):
+  config = tiny_config(data_dir, **{field: value})
+  with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+    train.train_and_evaluate(config, tmp_path / 'wd')
+  assert not (tmp_path / 'wd').exists()
