@@ -128,3 +128,32 @@ def test_two_processes_equal_one_bit_for_bit(data_dir, tmp_path):
   for key in _SUMMARY_KEYS:
     assert summaries[0][key] == summaries[1][key], key
   assert summaries[1]['syncs'] == 3 and summaries[1]['finished']
+
+
+@pytest.mark.slow
+def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
+                                                              tmp_path):
+  """Streaming DiLoCo with int8 pseudo-gradients, the 2-process run halted
+  after step 6 (last checkpoint at 4) and resumed by 2 new processes,
+  equals an uninterrupted 1-process run bit for bit."""
+  method = {'outer.method': 'streaming_diloco', 'outer.codec': 'int8',
+            'outer.streaming_diloco.num_fragments': 2}
+  config = tiny_config(data_dir, **MESH, **method)
+  exp_lib.load_data(config)
+  overrides = dict(MESH, **method, **{'data.data_dir': data_dir})
+  one = _launch(tmp_path / 'one', 1, overrides)
+  part = _launch(tmp_path / 'two', 2, dict(overrides, halt_after_steps=6))
+  outputs = _wait(one + part)
+  assert 'stopped at step 6' in outputs[1]
+  assert ckpt_lib.latest_step(tmp_path / 'two') == 4
+  outputs = _wait(_launch(tmp_path / 'two', 2, overrides))
+  assert 'final eval loss' in outputs[0]
+
+  for a, b in zip(_final_state(tmp_path / 'one', config),
+                  _final_state(tmp_path / 'two', config)):
+    np.testing.assert_array_equal(a, b)
+  assert _records(tmp_path / 'one') == _records(tmp_path / 'two')
+  summaries = [json.loads((tmp_path / r / 'summary.json').read_text())
+               for r in ('one', 'two')]
+  for key in _SUMMARY_KEYS:
+    assert summaries[0][key] == summaries[1][key], key
