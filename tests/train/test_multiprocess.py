@@ -157,3 +157,17 @@ def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
                for r in ('one', 'two')]
   for key in _SUMMARY_KEYS:
     assert summaries[0][key] == summaries[1][key], key
+
+
+@pytest.mark.parametrize('env,detected', [
+    ({}, False),
+    ({'SLURM_NTASKS': '1'}, False),
+    ({'SLURM_NTASKS': '8'}, True),
+    ({'OMPI_COMM_WORLD_SIZE': '4'}, True),
+    ({'TPU_WORKER_HOSTNAMES': 'localhost'}, False),
+    ({'TPU_WORKER_HOSTNAMES': 'h0,h1'}, True),
+    ({'MEGASCALE_COORDINATOR_ADDRESS': 'h0:8080'}, True),
+])
+def test_cluster_detection(env, detected):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  assert train.cluster_detected(env) is detected
