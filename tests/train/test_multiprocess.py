@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -72,9 +73,10 @@ def _launch(workdir, num_processes: int, overrides: dict):
 def _wait(procs) -> list[str]:
   """Waits for every process; kills them all if one fails or hangs."""
   outputs = []
+  deadline = time.monotonic() + TIMEOUT_S
   try:
     for p in procs:
-      out, _ = p.communicate(timeout=TIMEOUT_S)
+      out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
       outputs.append(out)
       assert p.returncode == 0, f'process exited {p.returncode}:\n{out[-3000:]}'
   finally:
