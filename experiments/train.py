@@ -4,6 +4,27 @@ r"""Trains a model from an ml_collections config.
     [--config.outer.sync_every=50] [--cpu_devices=8]
 
 Resumes from the latest checkpoint in DIR if there is one.
+
+Several processes (one per host) join one run through
+``jax.distributed.initialize`` (see ``docs/multihost.md``):
+
+* ``--distributed=auto`` (default): join when the process layout flags
+  (``--coordinator_address``, ``--num_processes``, ``--process_id``) are
+  given, or when a multi-process cluster launch is detected from its
+  environment (SLURM with more than one task, Open MPI with more than one
+  rank, a multi-host Cloud TPU VM or a multislice TPU job); then
+  ``jax.distributed.initialize`` takes the flags given and detects the rest.
+  A single-process run initialises nothing.
+* ``--distributed=on``: always call ``jax.distributed.initialize`` (with
+  the flags given, auto-detecting the rest).
+* ``--distributed=off``: never (the flags must then be absent).
+
+On the CPU, cross-process collectives use gloo; each process creates
+``--cpu_devices`` virtual devices, e.g. two local processes::
+
+  python -m experiments.train --config=... --workdir=DIR --cpu_devices=4 \
+    --coordinator_address=localhost:12345 --num_processes=2 --process_id=0
+  (the same with --process_id=1)
 """
 
 import os
@@ -17,8 +38,54 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints and metrics.')
 _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', 8,
-    'Virtual devices to create when JAX runs on the CPU (ignored on GPU/TPU).')
+    'Virtual devices to create when JAX runs on the CPU (ignored on GPU/TPU); '
+    'per process.')
+_DISTRIBUTED = flags.DEFINE_enum(
+    'distributed', 'auto', ['auto', 'on', 'off'],
+    'Join a multi-process run with jax.distributed.initialize: auto = when '
+    'the flags below are given or a cluster launch is detected.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None,
+    'host:port of process 0 (jax.distributed.initialize).')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', None, 'Processes in the run.')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', None, 'This process: 0 .. num_processes - 1.')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def cluster_detected(environ=None) -> bool:
+  """Whether the environment is a multi-process cluster launch that
+  ``jax.distributed.initialize()`` can configure by itself."""
+  env = os.environ if environ is None else environ
+  get = lambda k: env.get(k, '')
+  def count(name):
+    try:
+      return int(get(name) or 0)
+    except ValueError:
+      return 0
+  return (count('SLURM_NTASKS') > 1 or count('SLURM_STEP_NUM_TASKS') > 1
+          or count('OMPI_COMM_WORLD_SIZE') > 1
+          or ',' in get('TPU_WORKER_HOSTNAMES')
+          or bool(get('MEGASCALE_COORDINATOR_ADDRESS')))
+
+
+def initialize_processes(jax) -> None:
+  """Joins the run's processes per ``--distributed`` and the layout flags."""
+  kwargs = {k: v for k, v in (('coordinator_address', _COORDINATOR.value),
+                              ('num_processes', _NUM_PROCESSES.value),
+                              ('process_id', _PROCESS_ID.value))
+            if v is not None}
+  mode = _DISTRIBUTED.value
+  if mode == 'off':
+    if kwargs:
+      raise app.UsageError(f'--distributed=off but {sorted(kwargs)} given')
+    return
+  if mode == 'auto' and not kwargs and not cluster_detected():
+    return
+  # Harmless off the CPU; on the CPU, cross-process collectives need it.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(**kwargs)
 
 
 def main(argv):
@@ -28,10 +95,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Quiet JAX's backend probing.
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
+  initialize_processes(jax)
   from loc_opt import train  # pylint: disable=g-import-not-at-top
   summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  print(train.format_summary(summary))
-  print(f'metrics: {os.path.join(_WORKDIR.value, "metrics.jsonl")}')
+  if jax.process_index() == 0:
+    print(train.format_summary(summary))
+    print(f'metrics: {os.path.join(_WORKDIR.value, "metrics.jsonl")}')
 
 
 if __name__ == '__main__':

@@ -96,7 +96,8 @@ class LMData:
   stats: DataStats
 
   def eval_batches(
-    self, num_batches: int, batch_size: int | None = None
+    self, num_batches: int, batch_size: int | None = None,
+    rows: slice | None = None,
   ) -> np.ndarray:
     """Returns ``int32[num_batches, batch_size, seq_len + 1]`` eval windows.
 
@@ -105,6 +106,8 @@ class LMData:
     Args:
       num_batches: number of batches.
       batch_size: windows per batch; ``None`` means ``eval_batch_size``.
+      rows: if given, only these rows of every batch (see
+        :func:`pipeline.eval_batches`).
     """
     return pipeline.eval_batches(
       self.eval_documents,
@@ -112,6 +115,7 @@ class LMData:
       batch_size=batch_size or self.eval_batch_size,
       seq_len=self.train.seq_len,
       separator=self.train.separator,
+      rows=rows,
     )
 
 

@@ -238,6 +238,29 @@ class LMBatches:
     """
     return self._gather(self.window_starts(step))
 
+  def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+    """Returns ``batch(step).reshape(-1, seq_len + 1)[start:stop]``,
+    computing only the windows of those rows.
+
+    For multi-process runs, where each process reads only the rows its
+    devices hold; the windows are those of :meth:`batch`, bit for bit.
+
+    Args:
+      step: non-negative training step.
+      start: first row, in ``[0, global_batch]``.
+      stop: row after the last, in ``[start, global_batch]``.
+    """
+    self._check(step)
+    if not 0 <= start <= stop <= self.global_batch:
+      raise ValueError(f'rows [{start}, {stop}) must lie in [0, '
+                       f'{self.global_batch}].')
+    per = self.per_worker_batch
+    parts = [np.zeros([0], np.int64)]
+    for w in range(start // per, -(-stop // per)):
+      lo, hi = max(start - w * per, 0), min(stop - w * per, per)
+      parts.append(self._starts(step, w)[lo:hi])
+    return self._gather(np.concatenate(parts))
+
   def worker_batch(self, step: int, worker: int) -> np.ndarray:
     """Returns ``batch(step)[worker]``, computing only that worker's windows.
 
@@ -258,6 +281,7 @@ def eval_batches(
   batch_size: int,
   seq_len: int,
   separator: int = DEFAULT_SEPARATOR,
+  rows: slice | None = None,
 ) -> np.ndarray:
   """Returns fixed evaluation windows, ``int32[num_batches, batch, L + 1]``.
 
@@ -273,6 +297,8 @@ def eval_batches(
     batch_size: windows per batch (positive).
     seq_len: model sequence length (positive).
     separator: byte written after every document.
+    rows: if given, only these rows of every batch (``[:, rows]``, computed
+      alone: a process of a multi-process run reads only its own rows).
 
   Returns:
     Token windows; inputs ``[..., :-1]``, targets ``[..., 1:]``.
@@ -295,6 +321,8 @@ def eval_batches(
   # First window at the start of the text, last one at its end.
   starts = np.arange(count, dtype=np.int64) * (stream.size - window)
   starts //= max(count - 1, 1)
-  index = starts[:, None] + np.arange(window)
-  tokens = stream[index].astype(np.int32)
-  return tokens.reshape(num_batches, batch_size, window)
+  starts = starts.reshape(num_batches, batch_size)
+  if rows is not None:
+    starts = starts[:, rows]
+  index = starts[..., None] + np.arange(window)
+  return stream[index].astype(np.int32)

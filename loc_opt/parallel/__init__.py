@@ -3,6 +3,7 @@
 from loc_opt.parallel.collectives import worker_mean
 from loc_opt.parallel.mesh import AXES
 from loc_opt.parallel.mesh import arrange_devices
+from loc_opt.parallel.mesh import check_process_layout
 from loc_opt.parallel.mesh import devices_per_worker
 from loc_opt.parallel.mesh import make_worker_mesh
 from loc_opt.parallel.mesh import num_workers

@@ -7,6 +7,7 @@ multi-slice TPU job the worker axis spans slices (DCN) and the inner axes stay
 inside a slice (ICI).
 """
 
+import collections
 from collections.abc import Sequence
 import math
 from typing import Any
@@ -31,8 +32,9 @@ def arrange_devices(
 
   Devices are grouped by ``slice_index`` (multi-slice TPU) when there is more
   than one slice, so that each worker lies inside one slice and only the
-  worker axis crosses slices. Within a slice the backend's device order is
-  kept.
+  worker axis crosses slices. Within a slice, devices are grouped by
+  ``process_index`` (one process per host), otherwise keeping the backend's
+  order. The layout must fit the processes (:func:`check_process_layout`).
 
   Args:
     devices: the devices to arrange (anything with ``id`` and optionally
@@ -44,7 +46,7 @@ def arrange_devices(
 
   Raises:
     ValueError: if the device count does not equal the product of ``shape``,
-      or workers cannot be laid out across slices.
+      or workers cannot be laid out across slices or processes.
   """
   shape = tuple(int(s) for s in shape)
   n = math.prod(shape)
@@ -54,9 +56,12 @@ def arrange_devices(
         f'{len(devices)} are available; choose worker * data * fsdp * tensor '
         f'= {len(devices)}.'
     )
+  devices = sorted(devices, key=_process)  # stable: one process unchanged
   slices = sorted({getattr(d, 'slice_index', 0) or 0 for d in devices})
   if len(slices) <= 1:
-    return np.array(list(devices), dtype=object).reshape(shape)
+    array = np.array(list(devices), dtype=object).reshape(shape)
+    check_process_layout(array)
+    return array
   workers = shape[0]
   if workers % len(slices):
     raise ValueError(
@@ -74,7 +79,40 @@ def arrange_devices(
   ordered = [
       np.array(b, dtype=object).reshape((-1,) + per_slice) for b in by_slice
   ]
-  return np.concatenate(ordered, axis=0)
+  array = np.concatenate(ordered, axis=0)
+  check_process_layout(array)
+  return array
+
+
+def _process(device: Any) -> int:
+  return getattr(device, 'process_index', 0) or 0
+
+
+def check_process_layout(array: np.ndarray) -> None:
+  """Checks that the workers of a ``(worker, ...)`` device array fit the
+  processes: each worker lies inside one process, or holds every device of
+  each process it touches (a worker spanning whole hosts). Several workers
+  may share a process.
+
+  Raises:
+    ValueError: naming the first worker that holds part of a process whose
+      other devices belong to other workers.
+  """
+  per_process = collections.Counter(_process(d) for d in array.reshape(-1))
+  if len(per_process) <= 1:
+    return
+  for w in range(array.shape[0]):
+    held = collections.Counter(_process(d) for d in array[w].reshape(-1))
+    if len(held) > 1:
+      partial = sorted(p for p in held if held[p] != per_process[p])
+      if partial:
+        raise ValueError(
+            f'worker {w} spans processes {sorted(held)} but holds only '
+            f'{held[partial[0]]} of the {per_process[partial[0]]} devices of '
+            f'process {partial[0]}; a worker must lie inside one process or '
+            'hold whole processes: choose mesh.workers so that the devices '
+            f'per worker ({array[w].size}) divide or are a multiple of the '
+            'devices per process')
 
 
 def make_worker_mesh(

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import optax
 
@@ -26,6 +27,7 @@ from loc_opt import parallel
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
+from loc_opt.train import hosts
 from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
@@ -273,13 +275,55 @@ def load_data(config: ml_collections.ConfigDict) -> data_lib.LMData:
                    sort_keys=True, default=str)
   data = _DATA_CACHE.get(key)
   if data is None:
-    data = data_lib.make_lm_data(
-        config.data, num_workers=config.mesh.workers,
+    make = functools.partial(
+        data_lib.make_lm_data, config.data, num_workers=config.mesh.workers,
         global_batch=config.batch_size, seq_len=config.data.seq_len,
         seed=config.seed)
+    if jax.process_count() == 1:
+      data = make()
+    else:  # process 0 prepares the dataset first (no concurrent builds)
+      if hosts.is_writer():
+        data = make()
+      multihost_utils.sync_global_devices('loc_opt: data prepared')
+      if not hosts.is_writer():
+        data = make()
     _DATA_CACHE[key] = data
     while len(_DATA_CACHE) > 2:
       _DATA_CACHE.popitem(last=False)
   else:
     _DATA_CACHE.move_to_end(key)
   return data
+
+
+def _batch_layout(exp: Experiment, rows: int):
+  """``(global shape, sharding, rows per worker or None)`` of a batch of
+  ``rows`` sequences as the programs take it."""
+  c, per_worker = exp.config, exp.method.per_worker
+  length = c.data.seq_len + 1
+  sharding = programs_lib.batch_sharding(exp.mesh, per_worker)
+  if per_worker:
+    per = rows // c.mesh.workers
+    return (c.mesh.workers, per, length), sharding, per
+  return (rows, length), sharding, None
+
+
+def train_batch(exp: Experiment, data: data_lib.LMData,
+                position: int) -> jax.Array:
+  """The train batch at ``position`` as a global array; this process reads
+  only the rows its devices hold."""
+  shape, sharding, per = _batch_layout(exp, exp.config.batch_size)
+  return hosts.global_batch(sharding, shape, functools.partial(
+      hosts.lm_rows_block,
+      lambda lo, hi: data.train.rows(position, lo, hi), per))
+
+
+def eval_batches(exp: Experiment, data: data_lib.LMData,
+                 num_batches: int) -> list[jax.Array]:
+  """The fixed eval batches as global arrays laid out for the programs;
+  this process reads only the rows its devices hold."""
+  shape, sharding, per = _batch_layout(exp, data.eval_batch_size)
+  read = functools.lru_cache(lambda lo, hi: data.eval_batches(
+      num_batches, rows=slice(lo, hi)))
+  return [hosts.global_batch(sharding, shape, functools.partial(
+      hosts.lm_rows_block, lambda lo, hi, i=i: read(lo, hi)[i], per))
+          for i in range(num_batches)]

@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from loc_opt import _checks
+from loc_opt.train import hosts
 
 
 class NonFiniteError(RuntimeError):
@@ -117,7 +118,7 @@ def advance(counters: dict[str, jax.Array], ok: jax.Array
 def check(state: dict[str, Any], step: int, max_bad_steps: int) -> int:
   """The total of bad steps so far; raises :class:`NonFiniteError` when a
   worker has had ``max_bad_steps`` bad steps in a row (0: no limit)."""
-  counters = jax.device_get(state['faults'])
+  counters = {k: hosts.fetch(v) for k, v in state['faults'].items()}
   streak = int(np.max(counters['bad_streak']))
   if max_bad_steps and streak >= max_bad_steps:
     raise NonFiniteError(
@@ -130,6 +131,6 @@ def check(state: dict[str, Any], step: int, max_bad_steps: int) -> int:
 def check_params(params: Any, step: int) -> None:
   """Raises :class:`NonFiniteError` if ``params`` are not all finite (so a
   checkpoint is never written with them)."""
-  if not bool(jax.device_get(all_finite(params))):
+  if not bool(hosts.fetch(jax.jit(all_finite)(params))):
     raise NonFiniteError(f'non-finite parameters at step {step}; not '
                          'saving a checkpoint, the previous one is finite')

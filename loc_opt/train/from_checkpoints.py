@@ -183,6 +183,7 @@ def merge_and_evaluate(
   merged = jax.device_put(optax.tree.cast_like(acc, last),
                           exp.shardings['params'])
   data = exp_lib.load_data(config)
-  loss = exp.evaluate_params(merged, data.eval_batches(config.eval_batches))
+  loss = exp.evaluate_params(
+      merged, exp_lib.eval_batches(exp, data, config.eval_batches))
   return {'eval_loss': loss, 'steps': steps, 'coefficients': c.tolist(),
           'params': merged}

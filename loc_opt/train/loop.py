@@ -24,6 +24,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import faults
+from loc_opt.train import hosts
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import simulated_time
 
@@ -57,7 +58,7 @@ def _counters(exp: exp_lib.Experiment, state, step: int) -> _Counters:
     for phase in exp.plan.walk(0, step):
       out.advance(exp.plan.is_sync(phase), nbytes[phase])
     return out
-  syncs, since = (int(np.asarray(jax.device_get(x)).reshape(-1)[0])
+  syncs, since = (int(hosts.fetch(x).reshape(-1)[0])
                   for x in exp.method.counters(state['opt_state']))
   inner = nbytes[exp.plan.inner]
   total = syncs * (exp.sync_bytes() or 0) + (step - syncs) * inner
@@ -85,12 +86,15 @@ class _Logger:
     # The run's own config: run-control fields (logging, evaluation) may
     # differ from those of the cached experiment's.
     self.exp, self.config = exp, config
-    self.writer = metrics_lib.MetricWriter(workdir, resume_step=start)
+    # Process 0 alone writes (every process evaluates: it is collective).
+    self.writer = (metrics_lib.MetricWriter(workdir, resume_step=start)
+                   if hosts.is_writer() else metrics_lib.NullWriter())
     self.eval_batches, self.progress = eval_batches, progress
     self.tokens_per_step = self.config.batch_size * self.config.data.seq_len
     self.last_time, self.last_step = time.perf_counter(), start
     self.train_time = 0.0
     self.loss = float('nan')
+    self.last_eval = None
 
   def due(self, step: int) -> tuple[bool, bool]:
     """``(log, evaluate)`` after ``step`` steps."""
@@ -101,7 +105,7 @@ class _Logger:
 
   def log(self, counters, state, loss_arr, step_bytes, evaluate) -> None:
     step = counters.step
-    self.loss = float(np.mean(np.asarray(loss_arr)))
+    self.loss = float(np.mean(hosts.fetch(loss_arr)))
     now = time.perf_counter()
     dt = now - self.last_time
     self.train_time += dt
@@ -119,6 +123,7 @@ class _Logger:
     scalars['faults/bad_steps'] = counters.bad_steps
     if evaluate:
       scalars['eval/loss'] = self.exp.evaluate(state, self.eval_batches)
+      self.last_eval = scalars['eval/loss']
     self.writer.write(step, scalars)
     self.progress.update(step, loss=self.loss, tokens_per_s=tps,
                          cross_worker_bytes=counters.cross_worker_bytes)
@@ -132,7 +137,7 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
                config_json):
   """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
   programs = exp.programs
-  position = int(jax.device_get(state['data_position']))
+  position = int(hosts.fetch(state['data_position']))
   halt_after = config.halt_after_steps
   max_bad = faults.settings(config)['max_bad_steps']
   start = counters.step
@@ -140,10 +145,8 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     if halt_after and counters.step - start >= halt_after:
       break
     phase = exp.plan(counters.step, counters.since_sync)
-    batch = data.train.batch(position)
+    batch = exp_lib.train_batch(exp, data, position)
     position += 1
-    if not exp.method.per_worker:
-      batch = batch.reshape(-1, batch.shape[-1])
     state, loss_arr = programs.steps[phase](state, batch)
     step_bytes = programs.bytes_per_step[phase]
     counters.advance(exp.plan.is_sync(phase), step_bytes)
@@ -163,8 +166,11 @@ def _summary(exp, config, counters, logger, workdir, compile_s
              ) -> dict[str, Any]:
   """The end-of-run summary (written to ``summary.json``)."""
   nbytes = exp.programs.bytes_per_step
-  records = metrics_lib.read_metrics(workdir)
+  # Process 0 reads its metrics (the last eval may predate a resume);
+  # the others know the eval of this run's last step.
+  records = metrics_lib.read_metrics(workdir) if hosts.is_writer() else []
   evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
+  evals = evals or [e for e in [logger.last_eval] if e is not None]
   dp_step = (nbytes[exp.plan.inner] if not exp.method.per_worker else
              exp_lib.data_parallel_bytes_per_step(config))
   summary = {
@@ -232,7 +238,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   compile_s = time.perf_counter() - t0
   data = exp_lib.load_data(config)
   progress = metrics_lib.Progress(config.num_steps, every=config.log_every,
-                                  enabled=config.progress)
+                                  enabled=config.progress and
+                                  hosts.is_writer())
   # A branch reads the other run's state before anything is written here,
   # so a bad branch leaves no trace.
   branch = (ckpt_lib.restore_branch(init_from.workdir, init_from.step,
@@ -247,7 +254,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   # in the state, so the data order resumes exactly too.
   counters = _counters(exp, state, start)
   logger = _Logger(exp, config, workdir, start,
-                   data.eval_batches(config.eval_batches), progress)
+                   exp_lib.eval_batches(exp, data, config.eval_batches),
+                   progress)
   try:
     state = _run_steps(exp, config, state, counters, data, logger, ckpt,
                        config_json)
@@ -262,7 +270,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   summary = {'step': counters.step, 'finished': False}
   if counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
-    _write_json(workdir / 'summary.json', summary)
+    if hosts.is_writer():
+      _write_json(workdir / 'summary.json', summary)
   summary['state'] = state
   return summary
 

@@ -67,6 +67,17 @@ class MetricWriter:
     self._tb.close()
 
 
+class NullWriter:
+  """A :class:`MetricWriter` that writes nothing (processes other than 0
+  of a multi-process run)."""
+
+  def write(self, step: int, scalars: dict[str, Any]) -> None:
+    del step, scalars
+
+  def close(self) -> None:
+    pass
+
+
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   """Reads back ``metrics.jsonl`` of a workdir."""
   path = pathlib.Path(workdir) / 'metrics.jsonl'

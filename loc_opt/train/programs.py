@@ -27,6 +27,7 @@ import optax
 from loc_opt import models
 from loc_opt import parallel
 from loc_opt.train import faults
+from loc_opt.train import hosts
 from loc_opt.train.method import Method
 
 P = jax.P
@@ -233,11 +234,13 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
 
 
 def mean_loss(loss_of_batch, eval_batches, config, per_worker) -> float:
-  """Mean of ``loss_of_batch`` over ``eval_batches`` (global ``[rows,
-  len]`` batches, split per worker for local-update methods)."""
+  """Mean of ``loss_of_batch`` over ``eval_batches``: global ``[rows,
+  len]`` batches (split per worker for local-update methods here), or
+  global arrays already laid out for the program
+  (``loc_opt.train.experiment.eval_batches``)."""
   losses = []
   for batch in eval_batches:
-    if per_worker:
+    if per_worker and batch.ndim == 2:
       batch = batch.reshape(config.mesh.workers, -1, batch.shape[-1])
-    losses.append(np.mean(np.asarray(loss_of_batch(batch))))
+    losses.append(np.mean(hosts.fetch(loss_of_batch(batch))))
   return float(np.mean(losses))

@@ -57,6 +57,25 @@ def test_worker_batch_equals_batch_row():
     np.testing.assert_array_equal(data.worker_batch(9, w), full[w])
 
 
+@pytest.mark.parametrize('start,stop', [(0, 16), (0, 4), (2, 11), (5, 5),
+                                        (12, 16)])
+def test_rows_equal_the_flat_batch_rows(start, stop):
+  data = _make()
+  flat = data.batch(9).reshape(16, 33)
+  np.testing.assert_array_equal(data.rows(9, start, stop), flat[start:stop])
+  with pytest.raises(ValueError, match='rows'):
+    data.rows(9, 3, 17)
+
+
+def test_eval_batch_rows_equal_the_full_batches_rows():
+  docs = _documents(5)
+  kwargs = {'num_batches': 3, 'batch_size': 8, 'seq_len': 20}
+  full = pipeline.eval_batches(docs, **kwargs)
+  for rows in (slice(0, 8), slice(2, 6), slice(7, 8)):
+    np.testing.assert_array_equal(
+      pipeline.eval_batches(docs, rows=rows, **kwargs), full[:, rows])
+
+
 def _check_windows_inside_own_range(data: pipeline.LMBatches, steps=20):
   lo, hi = data.worker_bounds[:-1, None], data.worker_bounds[1:, None]
   for step in range(steps):

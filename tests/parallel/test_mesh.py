@@ -45,3 +45,34 @@ def test_multi_slice_workers_lie_inside_slices():
   assert [array[w, 0, 0, 0].slice_index for w in range(4)] == [0, 0, 1, 1]
   with pytest.raises(ValueError, match='multiple of the 2 slices'):
     parallel.arrange_devices(devices, (1, 8, 1, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeHostDevice:
+  id: int
+  process_index: int
+
+
+def _hosts(processes, per_process):
+  # Listed interleaved: the mesh groups them by process.
+  return [FakeHostDevice(i, i % processes)
+          for i in range(processes * per_process)]
+
+
+@pytest.mark.parametrize('shape', [(2, 4, 1, 1), (4, 2, 1, 1), (8, 1, 1, 1),
+                                   (1, 8, 1, 1), (1, 2, 2, 2)])
+def test_workers_inside_one_process_or_spanning_whole_ones(shape):
+  array = parallel.arrange_devices(_hosts(2, 4), shape)
+  for w in range(shape[0]):
+    held = {d.process_index for d in array[w].reshape(-1)}
+    assert len(held) == 1 or held == {0, 1}
+  assert [d.process_index for d in array.reshape(-1)] == [0] * 4 + [1] * 4
+
+
+def test_worker_holding_part_of_a_process_is_named():
+  # 3 processes x 2 devices, 2 workers of 3: worker 0 holds half of process 1.
+  with pytest.raises(ValueError, match=r'worker 0 spans processes \[0, 1\] '
+                     'but holds only 1 of the 2 devices of process 1'):
+    parallel.arrange_devices(_hosts(3, 2), (2, 3, 1, 1))
+  parallel.arrange_devices(_hosts(3, 2), (3, 2, 1, 1))
+  parallel.arrange_devices(_hosts(3, 2), (1, 6, 1, 1))

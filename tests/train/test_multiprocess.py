@@ -1,0 +1,175 @@
+"""Multi-process runs: 2 processes x 4 CPU devices equal 1 process x 8.
+
+Each run is ``python -m experiments.train`` in its own processes, joined by
+``jax.distributed.initialize`` on localhost with gloo collectives. The
+reference joins one process (8 devices) the same way, so that both runs use
+the same collective implementation: with JAX's in-process CPU collectives
+(no ``jax.distributed``) the all-reduces sum in another order and the
+parameters agree only to about 1e-7.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import experiment as exp_lib
+from tests.train._helpers import leaves
+from tests.train._helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+# 2 workers, one per process: each worker's devices lie in one process.
+MESH = {'mesh.workers': 2, 'mesh.data': 4}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def _flags(overrides: dict) -> list[str]:
+  """``--config.<field>=<value>`` for each of the tiny config's fields
+  that differ from ``configs/diloco_lm.py``, and ``overrides``."""
+  fields = {
+      'num_steps': 12, 'batch_size': 16, 'data.eval_batch_size': 16,
+      'eval_batches': 1, 'eval_every': 6, 'log_every': 2,
+      'checkpoint_every': 4, 'progress': False, 'model.d_model': 32,
+      'model.num_heads': 2, 'model.num_layers': 1, 'model.d_ff': 64,
+      'model.max_len': 32, 'data.seq_len': 32, 'data.max_bytes': 300_000,
+      'outer.sync_every': 4}
+  fields.update(overrides)
+  return [f'--config.{k}={v}' for k, v in fields.items()]
+
+
+def _launch(workdir, num_processes: int, overrides: dict):
+  """Starts ``num_processes`` processes of one run; returns them."""
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT))
+  procs = []
+  for i in range(num_processes):
+    cmd = [sys.executable, '-m', 'experiments.train',
+           f'--config={ROOT / "configs" / "diloco_lm.py"}',
+           f'--workdir={workdir}', f'--cpu_devices={8 // num_processes}',
+           f'--coordinator_address=localhost:{port}',
+           f'--num_processes={num_processes}', f'--process_id={i}',
+           *_flags(overrides)]
+    procs.append(subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True))
+  return procs
+
+
+def _wait(procs) -> list[str]:
+  """Waits for every process; kills them all if one fails or hangs."""
+  outputs = []
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    for p in procs:
+      out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+      outputs.append(out)
+      assert p.returncode == 0, f'process exited {p.returncode}:\n{out[-3000:]}'
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  return outputs
+
+
+def _final_state(workdir, config):
+  exp = exp_lib.get_experiment(config)
+  ckpt = ckpt_lib.Checkpointer(workdir, every=0, read_only=True)
+  try:
+    restored = ckpt.manager.restore(
+        config.num_steps, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(exp.abstract_state)))
+  finally:
+    ckpt.close()
+  return leaves(restored['state'])
+
+
+def _records(workdir):
+  lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
+  return [{k: v for k, v in json.loads(l).items() if k != 'perf/tokens_per_s'}
+          for l in lines]
+
+
+_SUMMARY_KEYS = ('step', 'finished', 'final_eval_loss', 'final_train_loss',
+                 'cross_worker_bytes', 'syncs', 'bytes_per_phase',
+                 'data_parallel_cross_worker_bytes')
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_bit_for_bit(data_dir, tmp_path):
+  config = tiny_config(data_dir, **MESH)
+  exp_lib.load_data(config)  # builds the dataset once, before the launches
+  overrides = dict(MESH, **{'data.data_dir': data_dir})
+  one = _launch(tmp_path / 'one', 1, overrides)
+  two = _launch(tmp_path / 'two', 2, overrides)
+  outputs = _wait(one + two)
+  # Process 0 alone reports; the other process prints no summary.
+  assert 'final eval loss' in outputs[1] and 'final eval loss' not in outputs[2]
+
+  for a, b in zip(_final_state(tmp_path / 'one', config),
+                  _final_state(tmp_path / 'two', config)):
+    np.testing.assert_array_equal(a, b)
+  assert _records(tmp_path / 'one') == _records(tmp_path / 'two')
+  summaries = [json.loads((tmp_path / r / 'summary.json').read_text())
+               for r in ('one', 'two')]
+  for key in _SUMMARY_KEYS:
+    assert summaries[0][key] == summaries[1][key], key
+  assert summaries[1]['syncs'] == 3 and summaries[1]['finished']
+
+
+@pytest.mark.slow
+def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
+                                                              tmp_path):
+  """Streaming DiLoCo with int8 pseudo-gradients, the 2-process run halted
+  after step 6 (last checkpoint at 4) and resumed by 2 new processes,
+  equals an uninterrupted 1-process run bit for bit."""
+  method = {'outer.method': 'streaming_diloco', 'outer.codec': 'int8',
+            'outer.streaming_diloco.num_fragments': 2}
+  config = tiny_config(data_dir, **MESH, **method)
+  exp_lib.load_data(config)
+  overrides = dict(MESH, **method, **{'data.data_dir': data_dir})
+  one = _launch(tmp_path / 'one', 1, overrides)
+  part = _launch(tmp_path / 'two', 2, dict(overrides, halt_after_steps=6))
+  outputs = _wait(one + part)
+  assert 'stopped at step 6' in outputs[1]
+  assert ckpt_lib.latest_step(tmp_path / 'two') == 4
+  outputs = _wait(_launch(tmp_path / 'two', 2, overrides))
+  assert 'final eval loss' in outputs[0]
+
+  for a, b in zip(_final_state(tmp_path / 'one', config),
+                  _final_state(tmp_path / 'two', config)):
+    np.testing.assert_array_equal(a, b)
+  assert _records(tmp_path / 'one') == _records(tmp_path / 'two')
+  summaries = [json.loads((tmp_path / r / 'summary.json').read_text())
+               for r in ('one', 'two')]
+  for key in _SUMMARY_KEYS:
+    assert summaries[0][key] == summaries[1][key], key
+
+
+@pytest.mark.parametrize('env,detected', [
+    ({}, False),
+    ({'SLURM_NTASKS': '1'}, False),
+    ({'SLURM_NTASKS': '8'}, True),
+    ({'OMPI_COMM_WORLD_SIZE': '4'}, True),
+    ({'TPU_WORKER_HOSTNAMES': 'localhost'}, False),
+    ({'TPU_WORKER_HOSTNAMES': 'h0,h1'}, True),
+    ({'MEGASCALE_COORDINATOR_ADDRESS': 'h0:8080'}, True),
+])
+def test_cluster_detection(env, detected):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  assert train.cluster_detected(env) is detected
