@@ -118,7 +118,7 @@ def _check_syncs(config, method: Method, plan: outer_lib.Plan) -> None:
   n = config.num_steps
   if _syncs_within(plan, n):
     return
-  h = config.outer.sync_every
+  h = config.outer.get('sync_every')
   if plan.period_fn is None and not (
       isinstance(h, int) and h > n
       and _syncs_with_shorter_period(config, method)):
