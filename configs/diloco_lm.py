@@ -22,11 +22,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0  # Seed of the model initialisation and of the data order.
   c.num_steps = 300  # Inner (optimizer) steps of every worker.
   c.batch_size = 32  # Global sequences per step, split evenly over workers.
-  c.eval_batches = 4  # Batches per evaluation (fixed validation set).
-  c.eval_every = 100  # Evaluate every this many steps (and at the end).
-  c.log_every = 10  # Write train metrics every this many steps.
-  c.checkpoint_every = 100  # Save a checkpoint every this many steps.
-  c.keep_checkpoints = 2  # How many checkpoints to keep.
+  c.eval_batches = 4  # Batches per evaluation (fixed validation set), >= 1.
+  c.eval_every = 100  # Evaluate every this many steps and at the end (0: end).
+  c.log_every = 10  # Write train metrics every this many steps (>= 1).
+  c.checkpoint_every = 100  # Save every this many steps and at the end (0: end)
+  c.keep_checkpoints = 2  # How many checkpoints to keep (>= 1).
   c.progress = True  # Progress bar on a terminal / log lines elsewhere.
   c.halt_after_steps = 0  # Stop after this many steps (simulated preemption).
   # Start from another run's checkpoint (a WSD / WSD-S decay branch, see
@@ -62,8 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = 'adamw'  # Inner optimizer (loc_opt.inner.OPTIMIZERS).
-  c.optimizer.learning_rate = 3e-3  # Peak inner learning rate.
+  c.optimizer.learning_rate = 3e-3  # Peak inner learning rate (>= 0).
   c.optimizer.schedule = 'warmup_cosine'  # loc_opt.schedules.SCHEDULES.
+  # Warmup: a float is a fraction of num_steps in [0, 1), an int a step count.
   c.optimizer.schedule_kwargs = {'warmup_steps': 0.1,  # Warmup (fraction).
                                  'end_value': 3e-4}  # Final learning rate.
   c.optimizer.grad_clip_norm = 1.0  # Global-norm clip of inner grads.
@@ -84,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'demo', 'sparseloco', 'desloc', 'mt_dao', 'async_local_sgd',
   # 'edit_diloco', 'co2'.
   c.outer.method = 'diloco'
-  c.outer.sync_every = 50  # H: inner steps between syncs.
+  c.outer.sync_every = 50  # H: inner steps between syncs (<= num_steps).
   # How H changes over the run: a name of loc_opt.schedules.SYNC_SCHEDULES:
   # 'constant' (H = sync_every), 'step' or 'qsr' (H = max(sync_every,
   # floor((alpha / lr_t)^2)) from the inner learning-rate schedule).
@@ -92,8 +93,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Its arguments, e.g. {'alpha': 0.02} for 'qsr' or
   # {'boundaries_and_periods': {'0': 50, '200': 100}} for 'step'.
   c.outer.sync_schedule_kwargs = {}
-  c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD).
-  c.outer.momentum = 0.9  # Outer momentum.
+  c.outer.learning_rate = 0.7  # Outer learning rate (Nesterov SGD), >= 0.
+  c.outer.momentum = 0.9  # Outer momentum, in [0, 1).
   c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.
   # What crosses workers: a name of loc_opt.compression.make_compressor
   # ('none', 'int8', 'int4', 'fp4_e3m0', 'topk', 'powersgd', ...), for

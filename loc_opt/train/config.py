@@ -11,6 +11,8 @@ a ``ValueError`` that names the bad field. Per-method sections
 from collections.abc import Callable, Mapping
 import copy
 import json
+import types
+import typing
 from typing import Any
 
 import ml_collections
@@ -83,6 +85,73 @@ def sync_every(config: ml_collections.ConfigDict) -> int:
                               arrays=True)
 
 
+def learning_rate(value: Any, field: str) -> float:
+  """A learning rate (or a factor of one) of the config: a finite number
+  ``>= 0`` (0 freezes what it drives: an ablation, not an error)."""
+  return _checks.nonnegative_float(value, field)
+
+
+def momentum(value: Any, field: str) -> float:
+  """A momentum (decay) coefficient of the config, in ``[0, 1)``."""
+  return _checks.in_interval(value, field, 0.0, 1.0, closed='left')
+
+
+def check_rates(config: ml_collections.ConfigDict) -> None:
+  """Validates the shared rates: ``optimizer.learning_rate``, the schedule's
+  ``init_value`` / ``end_value`` (learning rates too), ``outer.learning_rate``
+  and ``outer.momentum`` (``None`` = no momentum)."""
+  learning_rate(config.optimizer.learning_rate, 'optimizer.learning_rate')
+  kwargs = dict(plain(config.optimizer.get('schedule_kwargs') or {}))
+  for key in ('init_value', 'end_value'):
+    if key in kwargs:
+      learning_rate(kwargs[key], f'optimizer.schedule_kwargs.{key}')
+  outer = config.outer
+  if 'learning_rate' in outer:
+    learning_rate(outer.learning_rate, 'outer.learning_rate')
+  if outer.get('momentum') is not None:
+    momentum(outer.momentum, 'outer.momentum')
+
+
+# Schedule arguments that are a step count (an int) or a fraction of the
+# run (a float), and the largest fraction each takes: a warmup of the whole
+# run (1.0) is refused, as 1.0 more likely meant one step (ml_collections
+# turns --config...warmup_steps=1 into 1.0 when the config holds a float).
+_STEP_FIELDS = {'warmup_steps': (1.0, 'left'), 'decay_steps': (1.0, 'both'),
+                'first_period': (1.0, 'both'), 'decay_points': (1.0, 'both')}
+
+
+def _check_step_field(value: Any, field: str, high: float,
+                      closed: str) -> None:
+  if not isinstance(value, float):
+    return  # ints (step counts) are checked where they are read
+  try:
+    _checks.in_interval(value, field, 0.0, high, closed=closed)
+  except ValueError as e:
+    raise ValueError(
+        f'{e}: a float is a fraction of num_steps; give a step count as an '
+        f'int (ml_collections casts an int given on the command line to '
+        f'float where the config holds a float: set the whole dict, e.g. '
+        f'--config.optimizer.schedule_kwargs="{{...}}")') from None
+
+
+def check_step_fields(config: ml_collections.ConfigDict) -> None:
+  """Validates the schedule arguments that are steps or fractions
+  (``warmup_steps``, ``decay_steps``, ``first_period``, ``decay_points``) in
+  ``optimizer.schedule_kwargs`` and ``outer.sync_schedule_kwargs``: a float
+  is a fraction of the run, in ``[0, 1)`` for ``warmup_steps`` and
+  ``[0, 1]`` for the others; a float step count (``30.0``) is an error."""
+  for section in ('optimizer.schedule_kwargs', 'outer.sync_schedule_kwargs'):
+    parent, name = section.split('.')
+    kwargs = dict(plain(config[parent].get(name) or {}))
+    for key, (high, closed) in _STEP_FIELDS.items():
+      values = kwargs.get(key)
+      if key == 'decay_points':
+        for value in values or ():
+          _check_step_field(value, f'{section}.{key}[]', high, closed)
+      elif values is not None:
+        _check_step_field(values, f'{section}.{key}', high, closed)
+
+
 def lr_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   """The inner learning-rate schedule (``optimizer.schedule``)."""
   opt = config.optimizer
@@ -127,6 +196,43 @@ def compressor_kwargs(config: ml_collections.ConfigDict
   return kwargs
 
 
+# Argument annotations whose values a config can be checked against (int
+# fits a float argument; a bool fits only a bool one).
+_SIMPLE_TYPES = {int: (int,), float: (int, float), bool: (bool,),
+                 str: (str,), type(None): (type(None),)}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+  """Whether ``value`` fits annotation ``hint`` (True where it cannot tell:
+  annotations other than ints, floats, bools, strings and their unions with
+  None)."""
+  union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+  options = typing.get_args(hint) if union else (hint,)
+  if any(option not in _SIMPLE_TYPES for option in options):
+    return True
+  return any(
+      isinstance(value, _SIMPLE_TYPES[option])
+      and (option is bool or not isinstance(value, bool))
+      for option in options)
+
+
+def _check_codec_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+  """Checks the types of ``outer.codec_kwargs`` against the signature of
+  the factory ``outer.codec`` names (unknown names are left to the call)."""
+  factory = {**compression.CODECS, **compression.COMPRESSORS}[name]
+  try:
+    hints = typing.get_type_hints(factory)
+  except (NameError, TypeError):
+    return
+  for key, value in kwargs.items():
+    hint = hints.get(key)
+    if hint is not None and not _fits(value, hint):
+      shown = hint.__name__ if isinstance(hint, type) else hint
+      raise ValueError(
+          f"outer.codec_kwargs['{key}']={value!r} does not fit codec "
+          f'{name!r}: it takes {key}: {shown}')
+
+
 def make_compressor(config: ml_collections.ConfigDict
                     ) -> compression.Compressor:
   """The compressor the ``outer`` section names.
@@ -137,10 +243,17 @@ def make_compressor(config: ml_collections.ConfigDict
   (smaller leaves are sent in fp32 and get no error buffer).
   """
   cfg = config.outer
+  codec_kwargs = plain(cfg.get('codec_kwargs') or {})
+  if not isinstance(codec_kwargs, Mapping):
+    raise ValueError(f'outer.codec_kwargs must be a dict of the codec\'s '
+                     f'arguments, got {codec_kwargs!r}')
+  if cfg.codec not in {**compression.CODECS, **compression.COMPRESSORS}:
+    compression.make_compressor(cfg.codec, field='outer.codec')  # raises
+  _check_codec_kwargs(cfg.codec, codec_kwargs)
   try:
     scheme = compression.make_compressor(
-        cfg.codec, field='outer.codec', **dict(cfg.codec_kwargs))
-  except TypeError as e:
+        cfg.codec, field='outer.codec', **dict(codec_kwargs))
+  except (TypeError, ValueError) as e:
     raise ValueError(f'outer.codec_kwargs do not fit codec {cfg.codec!r}: '
                      f'{e}') from e
   kwargs = compressor_kwargs(config)

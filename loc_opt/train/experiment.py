@@ -73,6 +73,66 @@ def _check_batches(config, num_devices: int) -> None:
                      f'model.max_len={config.model.max_len}')
 
 
+def _check_run_control(config) -> None:
+  """Validates the fields of how a run logs, evaluates and saves:
+  ``log_every``, ``eval_batches`` and ``keep_checkpoints`` positive ints;
+  ``eval_every`` and ``checkpoint_every`` non-negative ints (0: only at the
+  end); ``halt_after_steps`` a non-negative int (0: never halt)."""
+  for name in ('log_every', 'eval_batches', 'keep_checkpoints'):
+    _checks.positive_int(config[name], name, arrays=True)
+  for name, zero in (('eval_every', 'only at the end'),
+                     ('checkpoint_every', 'only at the end'),
+                     ('halt_after_steps', 'never halt')):
+    if name in config:
+      try:
+        _checks.nonnegative_int(config[name], name)
+      except ValueError as e:
+        raise ValueError(f'{e} (0: {zero})') from None
+
+
+def _syncs_within(plan: outer_lib.Plan, num_steps: int) -> bool:
+  """Whether ``plan`` syncs at least once in ``num_steps`` steps from 0."""
+  return any(plan.is_sync(phase) for phase in plan.walk(0, num_steps))
+
+
+def _syncs_with_shorter_period(config, method: Method) -> bool:
+  """Whether ``method`` would sync within ``num_steps`` if
+  ``outer.sync_every`` were ``num_steps`` (or a little less, where the
+  method needs a multiple of something, e.g. Streaming DiLoCo's
+  fragments)."""
+  n = config.num_steps
+  for h in range(n, max(n - 16, 0), -1):
+    try:
+      plan = method.plan(cfg_lib.with_overrides(config,
+                                                {'outer.sync_every': h}))
+    except ValueError:
+      continue
+    return _syncs_within(plan, n)
+  return False
+
+
+def _check_syncs(config, method: Method, plan: outer_lib.Plan) -> None:
+  """A method that syncs on a period must sync within ``num_steps``.
+
+  A period plan (DiLoCo, local SGD) always means to sync; a fixed plan
+  means to if it syncs within the run once ``outer.sync_every`` is cut to
+  ``num_steps`` (data parallel never syncs, DeMo exchanges every step).
+  """
+  n = config.num_steps
+  if _syncs_within(plan, n):
+    return
+  h = config.outer.get('sync_every')
+  if plan.period_fn is None and not (
+      isinstance(h, int) and h > n
+      and _syncs_with_shorter_period(config, method)):
+    return  # the plan's silence is not H's doing
+  raise ValueError(
+      f'outer.sync_every={h} (with outer.sync_schedule='
+      f'{config.outer.get("sync_schedule", "constant")!r}) gives no sync in '
+      f'num_steps={n}: outer.method={config.outer.method!r} would never '
+      f'sync; lower outer.sync_every or raise num_steps')
+
+
 def _check_method(config) -> None:
   method = registry.get_method(config.outer.method)
   sched = config.outer.get('sync_schedule', 'constant')
@@ -80,7 +140,9 @@ def _check_method(config) -> None:
     raise ValueError(f'outer.method={config.outer.method!r} syncs on a '
                      f'fixed plan; outer.sync_schedule must be '
                      f"'constant', got {sched!r}")
-  method.plan(config)  # validates the sync schedule and the method's fields
+  registry.check_section(config)
+  # validates the sync schedule and the method's fields
+  _check_syncs(config, method, method.plan(config))
   if method.per_worker:
     cfg_lib.make_compressor(config)
 
@@ -102,9 +164,22 @@ def _check_init_from(config) -> None:
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int):
-  """Raises ``ValueError`` naming the first bad field of ``config``."""
+  """Raises ``ValueError`` naming the first bad field of ``config``.
+
+  Nothing is built or written first: ``train_and_evaluate`` calls it before
+  it touches the workdir. Besides the mesh, batch and method fields it
+  checks the run-control fields (``log_every``, ``eval_every``,
+  ``checkpoint_every``, ``keep_checkpoints``, ``eval_batches``,
+  ``halt_after_steps``), every learning rate (finite, ``>= 0``) and
+  momentum (``[0, 1)``), the step-or-fraction schedule arguments, the codec
+  arguments, and that a method that syncs on a period syncs within
+  ``num_steps``.
+  """
   _check_mesh(config, num_devices)
   _check_batches(config, num_devices)
+  _check_run_control(config)
+  cfg_lib.check_rates(config)
+  cfg_lib.check_step_fields(config)
   cfg_lib.lr_schedule(config)
   _check_method(config)
   simulated_time.validate(config)

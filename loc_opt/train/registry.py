@@ -390,6 +390,35 @@ METHODS: Mapping[str, Method] = {
 }
 
 
+def _optional(check):
+  return lambda value, field: None if value is None else check(value, field)
+
+
+# The rates and momenta of the methods' own sections, checked before a run
+# (the other fields are checked by the library functions they go to).
+_SECTION_CHECKS: Mapping[str, Mapping[str, Callable[[Any, str], Any]]] = {
+    'noloco': {'momentum': cfg_lib.momentum,
+               'consensus': _optional(cfg_lib.learning_rate)},
+    'demo': {'beta': cfg_lib.momentum, 'lr_scale': cfg_lib.learning_rate},
+    'sparseloco': {'learning_rate': cfg_lib.learning_rate,
+                   'ef_decay': lambda value, field: _checks.in_interval(
+                       value, field, 0.0, 1.0)},
+    'co2': {'learning_rate': cfg_lib.learning_rate,
+            'momentum': cfg_lib.momentum},
+}
+
+
+def check_section(config) -> None:
+  """Validates the learning rates and momenta of the section of the method
+  ``outer.method`` names (``outer.co2.learning_rate``, ``outer.demo.lr_scale``,
+  ...): rates finite and ``>= 0``, momenta in ``[0, 1)``."""
+  name = get_method(config.outer.method).section
+  s = _section(config, name) if name else {}
+  for field, check in _SECTION_CHECKS.get(name, {}).items():
+    if field in s:
+      check(s[field], f'outer.{name}.{field}')
+
+
 def get_method(name: str) -> Method:
   """The method ``outer.method`` names."""
   if name not in METHODS:
