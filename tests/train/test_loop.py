@@ -128,11 +128,44 @@ def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
   for f in (step_dir / 'state').rglob('*'):
     if f.is_file() and f.stat().st_size > 0 and 'ocdbt' not in f.name:
       f.write_bytes(b'garbage')
-  config.num_steps = 8
-  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoints/4'):
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match='no readable checkpoint.*checkpoints/4 is '
+                     'unreadable'):
     train.train_and_evaluate(config, tmp_path)
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()
                 if p.name.isdigit()) == ['4']
+
+
+def _truncate_arrays(step_dir):
+  """Cuts every array data file of a checkpoint in half."""
+  files = [f for f in (step_dir / 'state').rglob('*')
+           if f.is_file() and f.parent.name == 'd']
+  assert files
+  for f in files:
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+
+
+def test_resume_falls_back_from_a_corrupt_newest_checkpoint(data_dir,
+                                                            tmp_path, capfd):
+  config = tiny_config(data_dir)
+  full = train.train_and_evaluate(config, tmp_path / 'full')
+  config.halt_after_steps = 10  # checkpoints at 4 and 8
+  train.train_and_evaluate(config, tmp_path / 'run')
+  _truncate_arrays(tmp_path / 'run' / 'checkpoints' / '8')
+  capfd.readouterr()
+  config.halt_after_steps = 0
+  resumed = train.train_and_evaluate(config, tmp_path / 'run')
+  err = capfd.readouterr().err
+  lines = [l for l in err.splitlines() if 'unreadable' in l]
+  assert len(lines) == 1, err
+  assert lines[0].startswith('checkpoint at step 8 is unreadable (')
+  assert 'resuming from step 4' in lines[0]
+  assert 'Traceback' not in err and 'Event loop is closed' not in err, err
+  assert resumed['finished']
+  for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
+    np.testing.assert_array_equal(a, b)
+  assert (tmp_path / 'run' / 'unreadable_checkpoints' / '8').is_dir()
+  assert ckpt_lib.latest_step(tmp_path / 'run') == 12
 
 
 def test_int8_codec_sync_moves_a_quarter_of_the_fp32_bytes(data_dir):
