@@ -348,6 +348,35 @@ def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                if d.startswith('num_steps:') else '') for d in diffs]
 
 
+def check_resume(workdir: str | os.PathLike, config_json: str) -> None:
+  """Checks, from the saved config alone, that a run may resume from
+  ``workdir``'s newest checkpoint whose config can be read (nothing is
+  compiled or restored; nothing happens without a checkpoint).
+
+  Raises:
+    CheckpointError: naming each differing field (:func:`resume_diffs`).
+  """
+  if latest_step(workdir) is None:
+    return
+  ckpt = Checkpointer(workdir, every=0, read_only=True)
+  try:
+    for step in sorted(ckpt.manager.all_steps(), reverse=True):
+      try:
+        saved = ckpt.manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+      except Exception:  # pylint: disable=broad-except
+        continue  # reported by Checkpointer.restore
+      diffs = resume_diffs(saved['config'], json.loads(config_json))
+      if diffs:
+        raise CheckpointError(
+            f'checkpoint {ckpt.dir / str(step)} was written with a different '
+            f'config: {"; ".join(diffs)}. Use a new --workdir, or restore the '
+            'original config.')
+      return
+  finally:
+    ckpt.close()
+
+
 def _branch_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   return config_diffs(saved, current, _BRANCH_MUST_MATCH, _BRANCH_MAY_DIFFER)
 

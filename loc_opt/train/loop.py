@@ -221,6 +221,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                and ckpt_lib.latest_step(workdir) is None)
   if branching:  # fail before compiling anything
     ckpt_lib.check_branch(init_from.workdir, init_from.step, config_json)
+  else:
+    ckpt_lib.check_resume(workdir, config_json)
   exp = exp_lib.get_experiment(config)
   compile_s = time.perf_counter() - t0
   data = exp_lib.load_data(config)

@@ -136,6 +136,34 @@ def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
                 if p.name.isdigit()) == ['4']
 
 
+def test_resume_config_check_names_leaves_and_refuses_num_steps(data_dir,
+                                                               tmp_path):
+  config = tiny_config(data_dir, num_steps=8, halt_after_steps=4)
+  train.train_and_evaluate(config, tmp_path)
+  longer = tiny_config(data_dir, num_steps=12)
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match=r'num_steps: 8 -> 12 \(the schedules'):
+    train.train_and_evaluate(longer, tmp_path)
+  other = tiny_config(data_dir, num_steps=8, **{
+      'optimizer.learning_rate': 1e-3, 'model.d_ff': 128})
+  with pytest.raises(ckpt_lib.CheckpointError) as info:
+    train.train_and_evaluate(other, tmp_path)
+  message = str(info.value)
+  assert 'model.d_ff: 64 -> 128' in message
+  assert 'optimizer.learning_rate: 0.003 -> 0.001' in message
+  assert '{' not in message and 'num_steps' not in message
+  assert ckpt_lib.latest_step(tmp_path) == 4
+  # run-control fields may change on resume
+  same = tiny_config(data_dir, num_steps=8, **{
+      'log_every': 1, 'eval_every': 0, 'eval_batches': 2,
+      'checkpoint_every': 2, 'keep_checkpoints': 3, 'progress': True,
+      'data.data_dir': data_dir + '/', 'init_from.step': 2})
+  summary = train.train_and_evaluate(same, tmp_path)
+  assert summary['finished'] and summary['step'] == 8
+  steps = [r['step'] for r in train.read_metrics(tmp_path)]
+  assert steps[-4:] == [5, 6, 7, 8]
+
+
 def _truncate_arrays(step_dir):
   """Cuts every array data file of a checkpoint in half."""
   files = [f for f in (step_dir / 'state').rglob('*')
