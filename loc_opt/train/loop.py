@@ -24,6 +24,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import metrics as metrics_lib
+from loc_opt.train import preemption
 from loc_opt.train import simulated_time
 
 
@@ -126,13 +127,17 @@ class _Logger:
 
 
 def _run_steps(exp, config, state, counters, data, logger, ckpt,
-               config_json):
-  """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
+               config_json, preempt):
+  """Trains from ``counters.step`` to the end (or ``halt_after_steps``, or
+  a preemption notice: then it saves a checkpoint at the current step)."""
   programs = exp.programs
   position = int(jax.device_get(state['data_position']))
   halt_after = config.halt_after_steps
   start = counters.step
   while counters.step < config.num_steps:
+    if preempt.reached(counters.step):
+      ckpt.save(counters.step, state, config_json)
+      break
     if halt_after and counters.step - start >= halt_after:
       break
     phase = exp.plan(counters.step, counters.since_sync)
@@ -243,18 +248,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   counters = _counters(exp, state, start)
   logger = _Logger(exp, config, workdir, start,
                    data.eval_batches(config.eval_batches), progress)
+  preempt = preemption.PreemptionWatch()  # SIGTERM: save and stop
   try:
     state = _run_steps(exp, config, state, counters, data, logger, ckpt,
-                       config_json)
+                       config_json, preempt)
   except KeyboardInterrupt:
     progress.message(f'interrupted at step {counters.step}; saving a '
                      'checkpoint')
     ckpt.save(counters.step, state, config_json)
     raise
   finally:
+    preempt.close()
     logger.writer.close()
   ckpt.close()
-  summary = {'step': counters.step, 'finished': False}
+  summary = {'step': counters.step, 'finished': False,
+             'preempted': preempt.preempted}
   if counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
     _write_json(workdir / 'summary.json', summary)
@@ -264,6 +272,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
 def format_summary(summary: dict[str, Any]) -> str:
   """A short human-readable end-of-run summary."""
+  if summary.get('preempted'):
+    return (f'preempted: saved a checkpoint at step {summary["step"]} '
+            '(run the same command to resume)')
   if not summary.get('finished'):
     return f'stopped at step {summary["step"]} (resume to finish)'
   fb = metrics_lib.format_bytes
