@@ -31,6 +31,7 @@ schedule and the run length may change.
 
 from collections.abc import Callable, Sequence
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -148,6 +149,16 @@ def _is_closed_loop_callback(unraisable: Any) -> bool:
   return bool(frames) and frames[0].name == 'call_soon_threadsafe'
 
 
+def _drop_orbax_unretrieved(record: logging.LogRecord) -> bool:
+  """False for asyncio's report of an Orbax / TensorStore read whose
+  failure nobody retrieved (the gather had already raised the first one)."""
+  message = record.getMessage()
+  return not (message.startswith(('Task exception was never retrieved',
+                                  'Future exception was never retrieved'))
+              and ('/orbax/checkpoint/' in message
+                   or 'tensorstore_spec' in message))
+
+
 def _quiet_orbax_restore_failures() -> None:
   """Silences the side effects of a failed Orbax restore, nothing else.
 
@@ -157,10 +168,12 @@ def _quiet_orbax_restore_failures() -> None:
   read still in flight later completes on a TensorStore thread whose
   callback calls ``loop.call_soon_threadsafe`` on the closed loop: Python
   prints each such ``RuntimeError: Event loop is closed`` through
-  ``sys.unraisablehook``, and the never-awaited metadata coroutine through
-  a ``RuntimeWarning``. Both are harmless (the results are discarded) and
-  would bury the real error, so this hook drops exactly those and passes
-  everything else on. Installed once per process.
+  ``sys.unraisablehook``; the other reads that failed too are logged by
+  asyncio as "Task / Future exception was never retrieved" when collected,
+  and the never-awaited metadata coroutine comes as a ``RuntimeWarning``.
+  All are harmless (the results are discarded) and would bury the real
+  error, so these filters drop exactly those and pass everything else on.
+  Installed once per process.
   """
   if getattr(sys.unraisablehook, '_loc_opt_filter', False):
     return
@@ -172,6 +185,7 @@ def _quiet_orbax_restore_failures() -> None:
 
   hook._loc_opt_filter = True  # pylint: disable=protected-access
   sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_drop_orbax_unretrieved)
   warnings.filterwarnings(
       'ignore', message=r"coroutine '[\w.]+_get_array_metadatas' was never "
       'awaited', category=RuntimeWarning)
