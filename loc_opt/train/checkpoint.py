@@ -41,6 +41,7 @@ from typing import Any
 import warnings
 
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 # Config fields that must match for a checkpoint to be resumable (every
@@ -335,6 +336,8 @@ class Checkpointer:
     if jax.process_index() == 0:
       dest.parent.mkdir(exist_ok=True)
       shutil.move(self.dir / str(step), dest)
+    if jax.process_count() > 1:  # every process sees it gone before saving
+      multihost_utils.sync_global_devices(f'loc_opt_set_aside_{step}')
     self.manager.reload()
     return dest
 
