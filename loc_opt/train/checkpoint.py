@@ -4,9 +4,24 @@ The state pytree (every worker's parameters and optimizer state, the outer
 copy and outer optimizer state, the step, the RNG and the input position) is
 saved with ``orbax.checkpoint.CheckpointManager``; a JSON item beside it keeps
 the config, so a resume with an incompatible config fails with a clear error
-instead of a shape mismatch deep inside Orbax. Orbax writes each checkpoint
-into a temporary directory and renames it when complete, so an interrupted
-save never leaves a half-written checkpoint that a resume would pick.
+(each differing field as ``leaf.path: saved -> now``) instead of a shape
+mismatch deep inside Orbax. Orbax writes each checkpoint into a temporary
+directory and renames it when complete, so an interrupted save never leaves
+a half-written checkpoint that a resume would pick.
+
+On resume, the model, mesh, method, optimizer, data, batch size, seed and
+``num_steps`` must match (:func:`resume_diffs`); run-control fields
+(``log_every``, ``eval_every``, ``eval_batches``, ``checkpoint_every``,
+``keep_checkpoints``, ``progress``, ``halt_after_steps``, ``init_from``,
+``wallclock``, ``data.data_dir``, ``data.eval_batch_size``) may change.
+``num_steps`` may not: the learning-rate and sync schedules are built from
+it, so a longer or shorter resumed run would silently re-stretch them
+mid-run; to train longer, branch off the run (``init_from``).
+
+A newest checkpoint that cannot be read (a truncated or garbage file, a
+missing item, a state of another structure) is reported in one line, moved
+to ``workdir/unreadable_checkpoints``, and the run resumes from the newest
+readable one; with none left, :class:`CheckpointError` says why for each.
 
 A new run may also start from another run's checkpoint (:func:`restore_branch`,
 the decay branch of WSD / WSD-S): then the model, mesh, data, batch, seed,
@@ -16,15 +31,26 @@ schedule and the run length may change.
 
 from collections.abc import Callable, Sequence
 import json
+import logging
 import os
 import pathlib
+import shutil
+import sys
+import traceback
 from typing import Any
+import warnings
 
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
-# Config fields that must match for a checkpoint to be resumable.
-_MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed')
+# Config fields that must match for a checkpoint to be resumable (every
+# leaf under them), and the leaves under them that may change on resume.
+# Every other field (logging, evaluation and checkpoint cadence, progress,
+# halt_after_steps, init_from, wallclock) may change on resume.
+_MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',
+               'num_steps', 'data')
+_RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size')
 
 # A branch must continue the same training problem and the same state
 # layout: everything under these fields must match, except the fields of
@@ -68,7 +94,7 @@ def config_diffs(saved: dict[str, Any], current: dict[str, Any],
     may_differ: dotted field names (or prefixes) exempt from the check.
 
   Returns:
-    ``'field: saved X vs now Y'`` for each differing leaf field.
+    ``'field: saved -> now'`` for each differing leaf field.
   """
   exempt = tuple(may_differ)
 
@@ -80,8 +106,7 @@ def config_diffs(saved: dict[str, Any], current: dict[str, Any],
     a, b = _flatten(_get(saved, key), key), _flatten(_get(current, key), key)
     for field in sorted(set(a) | set(b)):
       if not allowed(field) and a.get(field) != b.get(field):
-        diffs.append(f'{field}: saved {a.get(field)!r} vs now '
-                     f'{b.get(field)!r}')
+        diffs.append(f'{field}: {a.get(field)!r} -> {b.get(field)!r}')
   return diffs
 
 
@@ -102,13 +127,88 @@ class CheckpointError(RuntimeError):
   """A checkpoint in the workdir cannot be used to resume."""
 
 
+class _Unreadable(CheckpointError):
+  """The checkpoint at ``step`` cannot be read; ``reason`` is one line."""
+
+  def __init__(self, step: int, where: pathlib.Path, error: Exception):
+    lines = str(error).strip().splitlines() or ['']
+    reason = f'{type(error).__name__}: {lines[0]}'
+    if len(reason) > 300:
+      reason = reason[:297] + '...'
+    self.step, self.reason = step, reason
+    super().__init__(f'checkpoint {where} is unreadable ({reason})')
+
+
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+  """Whether ``unraisable`` is a TensorStore completion callback that found
+  Orbax's event loop already closed."""
+  exc = unraisable.exc_value
+  if not (isinstance(exc, RuntimeError)
+          and str(exc) == 'Event loop is closed'):
+    return False
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  return bool(frames) and frames[0].name == 'call_soon_threadsafe'
+
+
+def _drop_orbax_unretrieved(record: logging.LogRecord) -> bool:
+  """False for asyncio's report of an Orbax / TensorStore read whose
+  failure nobody retrieved (the gather had already raised the first one)."""
+  message = record.getMessage()
+  return not (message.startswith(('Task exception was never retrieved',
+                                  'Future exception was never retrieved'))
+              and ('/orbax/checkpoint/' in message
+                   or 'tensorstore_spec' in message))
+
+
+def _quiet_orbax_restore_failures() -> None:
+  """Silences the side effects of a failed Orbax restore, nothing else.
+
+  Orbax reads every array concurrently (``asyncio.gather`` of TensorStore
+  reads in a fresh event loop, ``orbax.checkpoint._src.asyncio_utils``).
+  When one read fails, the gather raises, Orbax closes the loop, and each
+  read still in flight later completes on a TensorStore thread whose
+  callback calls ``loop.call_soon_threadsafe`` on the closed loop: Python
+  prints each such ``RuntimeError: Event loop is closed`` through
+  ``sys.unraisablehook``; the other reads that failed too are logged by
+  asyncio as "Task / Future exception was never retrieved" when collected,
+  and the never-awaited metadata coroutine comes as a ``RuntimeWarning``.
+  All are harmless (the results are discarded) and would bury the real
+  error, so these filters drop exactly those and pass everything else on.
+  Installed once per process.
+  """
+  if getattr(sys.unraisablehook, '_loc_opt_filter', False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_closed_loop_callback(unraisable):
+      previous(unraisable)
+
+  hook._loc_opt_filter = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_drop_orbax_unretrieved)
+  warnings.filterwarnings(
+      'ignore', message=r"coroutine '[\w.]+_get_array_metadatas' was never "
+      'awaited', category=RuntimeWarning)
+
+
+def _stderr_line(text: str) -> None:
+  print(text, file=sys.stderr, flush=True)
+
+
 class Checkpointer:
-  """Saves and restores train states under ``workdir/checkpoints``."""
+  """Saves and restores train states under ``workdir/checkpoints``.
+
+  ``warn`` gets the one-line reports of unreadable checkpoints (default:
+  standard error).
+  """
 
   def __init__(self, workdir: str | os.PathLike, *, every: int,
-               max_to_keep: int = 2, read_only: bool = False):
+               max_to_keep: int = 2, read_only: bool = False,
+               warn: Callable[[str], None] = _stderr_line):
     self.dir = pathlib.Path(workdir).absolute() / 'checkpoints'
     self.every = every
+    self.warn = warn
     if read_only and not self.dir.is_dir():
       raise CheckpointError(f'no checkpoints in {self.dir}')
     # Read-only: nothing is created, and nothing is ever deleted since
@@ -149,62 +249,97 @@ class Checkpointer:
               step: int | None = None, *,
               compare: Callable[[dict, dict], list[str]] | None = None,
               ) -> tuple[int, Any]:
-    """Restores ``step`` (default latest) into ``abstract_state``'s layout.
+    """Restores ``step`` (default: the newest readable one).
+
+    Without ``step``, a checkpoint that cannot be read (a truncated or
+    garbage file, a missing item, a state of another structure) is skipped
+    for the next older one; once one is restored, each skipped one is
+    reported in one line (``warn``) and moved to
+    ``workdir/unreadable_checkpoints``, so that new saves replace it.
 
     Args:
       abstract_state: ``jax.ShapeDtypeStruct`` leaves with shardings.
       config_json: the current config, compared with the saved one.
-      step: which checkpoint; the latest by default.
+      step: which checkpoint; the newest readable one by default.
       compare: ``(saved, current) -> differences`` that forbid the restore
-        (default: any difference under the resume fields).
+        (default: :func:`resume_diffs`).
 
     Returns:
       ``(step, state)``.
 
     Raises:
-      CheckpointError: if the saved config differs in a field that changes
-        the state's layout, or the checkpoint cannot be read.
+      CheckpointError: if the saved config differs in a field that must
+        match (a config difference never falls back), or no checkpoint
+        (``step`` itself, if given) can be read.
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
+    _quiet_orbax_restore_failures()
+    if step is not None:
+      if step not in self.manager.all_steps():
+        raise CheckpointError(f'no checkpoint at step {step} in {self.dir}; '
+                              f'saved steps: {self.all_steps()}')
+      return step, self._restore_step(abstract_state, config_json, step,
+                                      compare)
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       raise CheckpointError(f'no checkpoint in {self.dir}')
-    if step not in self.manager.all_steps():
-      raise CheckpointError(f'no checkpoint at step {step} in {self.dir}; '
-                            f'saved steps: {self.all_steps()}')
+    unreadable = []
+    for s in steps:
+      try:
+        state = self._restore_step(abstract_state, config_json, s, compare)
+      except _Unreadable as e:
+        unreadable.append(e)
+        continue
+      for e in unreadable:
+        moved = self._set_aside(e.step)
+        self.warn(f'checkpoint at step {e.step} is unreadable ({e.reason}); '
+                  f'resuming from step {s}'
+                  + (f' (moved it to {moved})' if moved else ''))
+      return s, state
+    raise CheckpointError(
+        f'no readable checkpoint in {self.dir}: '
+        + '; '.join(str(e) for e in unreadable)
+        + '. Move them aside to start afresh, or use a new workdir')
+
+  def _restore_step(self, abstract_state, config_json, step, compare):
+    """The state at ``step``; ``_Unreadable`` if it cannot be read."""
     where = self.dir / str(step)
     try:
       saved = self.manager.restore(
           step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
       saved_config = saved['config']
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'checkpoint {where} is unreadable ({type(e).__name__}: {e}); '
-          'move it aside to resume from an earlier one, or use a new '
-          'workdir') from e
-    current = json.loads(config_json)
-    if compare is None:
-      diffs = [k for k in _MUST_MATCH
-               if saved_config.get(k) != current.get(k)]
-      detail = '; '.join(
-          f'{k}: saved {saved_config.get(k)!r} vs now {current.get(k)!r}'
-          for k in diffs)
-    else:
-      diffs = compare(saved_config, current)
-      detail = '; '.join(diffs)
+      raise _Unreadable(step, where, e) from e
+    compare = resume_diffs if compare is None else compare
+    diffs = compare(saved_config, json.loads(config_json))
     if diffs:
       raise CheckpointError(
-          f'checkpoint {where} was written with a different config ({detail}). '
-          'Use a new --workdir, or restore the original config.')
+          f'checkpoint {where} was written with a different config: '
+          f'{"; ".join(diffs)}. Use a new --workdir, or restore the original '
+          'config.')
     try:
       restored = self.manager.restore(
           step, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(abstract_state)))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'checkpoint {where} could not be restored ({type(e).__name__}: '
-          f'{e}); it may be corrupt: move it aside to resume from an earlier '
-          'one, or use a new workdir') from e
-    return step, restored['state']
+      raise _Unreadable(step, where, e) from e
+    return restored['state']
+
+  def _set_aside(self, step: int) -> pathlib.Path | None:
+    """Moves checkpoint ``step`` out of the way of new saves to
+    ``workdir/unreadable_checkpoints`` (process 0 moves it)."""
+    if self.read_only:
+      return None
+    dest = self.dir.parent / 'unreadable_checkpoints' / str(step)
+    n = 1
+    while dest.exists():
+      dest, n = dest.with_name(f'{step}.{n}'), n + 1
+    if jax.process_index() == 0:
+      dest.parent.mkdir(exist_ok=True)
+      shutil.move(self.dir / str(step), dest)
+    if jax.process_count() > 1:  # every process sees it gone before saving
+      multihost_utils.sync_global_devices(f'loc_opt_set_aside_{step}')
+    self.manager.reload()
+    return dest
 
   def close(self) -> None:
     self.manager.close()
@@ -215,6 +350,48 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       tree, shardings)
+
+
+def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """The differences that forbid resuming a run saved with ``saved``.
+
+  ``num_steps`` is among them: the learning-rate (and sync) schedules are
+  built from it, so a resume with another value would silently re-stretch
+  them mid-run. To train longer, branch off the run with ``init_from``.
+  """
+  diffs = config_diffs(saved, current, _MUST_MATCH, _RESUME_MAY_DIFFER)
+  return [d + (' (the schedules are built for num_steps; to train longer, '
+               'start a new workdir with init_from)'
+               if d.startswith('num_steps:') else '') for d in diffs]
+
+
+def check_resume(workdir: str | os.PathLike, config_json: str) -> None:
+  """Checks, from the saved config alone, that a run may resume from
+  ``workdir``'s newest checkpoint whose config can be read (nothing is
+  compiled or restored; nothing happens without a checkpoint).
+
+  Raises:
+    CheckpointError: naming each differing field (:func:`resume_diffs`).
+  """
+  if latest_step(workdir) is None:
+    return
+  ckpt = Checkpointer(workdir, every=0, read_only=True)
+  try:
+    for step in sorted(ckpt.manager.all_steps(), reverse=True):
+      try:
+        saved = ckpt.manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+      except Exception:  # pylint: disable=broad-except
+        continue  # reported by Checkpointer.restore
+      diffs = resume_diffs(saved['config'], json.loads(config_json))
+      if diffs:
+        raise CheckpointError(
+            f'checkpoint {ckpt.dir / str(step)} was written with a different '
+            f'config: {"; ".join(diffs)}. Use a new --workdir, or restore the '
+            'original config.')
+      return
+  finally:
+    ckpt.close()
 
 
 def _branch_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

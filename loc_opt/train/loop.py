@@ -26,6 +26,7 @@ from loc_opt.train import experiment as exp_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import metrics as metrics_lib
+from loc_opt.train import preemption
 from loc_opt.train import simulated_time
 
 
@@ -134,14 +135,19 @@ class _Logger:
 
 
 def _run_steps(exp, config, state, counters, data, logger, ckpt,
-               config_json):
-  """Trains from ``counters.step`` to the end (or ``halt_after_steps``)."""
+               config_json, preempt):
+  """Trains from ``counters.step`` to the end (or ``halt_after_steps``, or
+  a preemption notice: then it saves a checkpoint at the current step)."""
   programs = exp.programs
   position = int(hosts.fetch(state['data_position']))
   halt_after = config.halt_after_steps
   max_bad = faults.settings(config)['max_bad_steps']
   start = counters.step
   while counters.step < config.num_steps:
+    if preempt.reached(counters.step):
+      faults.check_params(state['params'], counters.step)
+      ckpt.save(counters.step, state, config_json)
+      break
     if halt_after and counters.step - start >= halt_after:
       break
     phase = exp.plan(counters.step, counters.since_sync)
@@ -234,6 +240,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                and ckpt_lib.latest_step(workdir) is None)
   if branching:  # fail before compiling anything
     ckpt_lib.check_branch(init_from.workdir, init_from.step, config_json)
+  else:
+    ckpt_lib.check_resume(workdir, config_json)
   exp = exp_lib.get_experiment(config)
   compile_s = time.perf_counter() - t0
   data = exp_lib.load_data(config)
@@ -256,18 +264,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   logger = _Logger(exp, config, workdir, start,
                    exp_lib.eval_batches(exp, data, config.eval_batches),
                    progress)
+  preempt = preemption.PreemptionWatch()  # SIGTERM: save and stop
   try:
     state = _run_steps(exp, config, state, counters, data, logger, ckpt,
-                       config_json)
+                       config_json, preempt)
   except KeyboardInterrupt:
     progress.message(f'interrupted at step {counters.step}; saving a '
                      'checkpoint')
     ckpt.save(counters.step, state, config_json)
     raise
   finally:
+    preempt.close()
     logger.writer.close()
   ckpt.close()
-  summary = {'step': counters.step, 'finished': False}
+  summary = {'step': counters.step, 'finished': False,
+             'preempted': preempt.preempted}
   if counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
     if hosts.is_writer():
@@ -278,6 +289,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
 def format_summary(summary: dict[str, Any]) -> str:
   """A short human-readable end-of-run summary."""
+  if summary.get('preempted'):
+    return (f'preempted: saved a checkpoint at step {summary["step"]} '
+            '(run the same command to resume)')
   if not summary.get('finished'):
     return f'stopped at step {summary["step"]} (resume to finish)'
   fb = metrics_lib.format_bytes

@@ -1,5 +1,6 @@
 """End-to-end tests of the trainer: resume, communication, bad input."""
 
+import gc
 import json
 
 import jax
@@ -128,11 +129,76 @@ def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
   for f in (step_dir / 'state').rglob('*'):
     if f.is_file() and f.stat().st_size > 0 and 'ocdbt' not in f.name:
       f.write_bytes(b'garbage')
-  config.num_steps = 8
-  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoints/4'):
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match='no readable checkpoint.*checkpoints/4 is '
+                     'unreadable'):
     train.train_and_evaluate(config, tmp_path)
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()
                 if p.name.isdigit()) == ['4']
+
+
+def test_resume_config_check_names_leaves_and_refuses_num_steps(data_dir,
+                                                               tmp_path):
+  config = tiny_config(data_dir, num_steps=8, halt_after_steps=4)
+  train.train_and_evaluate(config, tmp_path)
+  longer = tiny_config(data_dir, num_steps=12)
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match=r'num_steps: 8 -> 12 \(the schedules'):
+    train.train_and_evaluate(longer, tmp_path)
+  other = tiny_config(data_dir, num_steps=8, **{
+      'optimizer.learning_rate': 1e-3, 'model.d_ff': 128})
+  with pytest.raises(ckpt_lib.CheckpointError) as info:
+    train.train_and_evaluate(other, tmp_path)
+  message = str(info.value)
+  assert 'model.d_ff: 64 -> 128' in message
+  assert 'optimizer.learning_rate: 0.003 -> 0.001' in message
+  assert '{' not in message and 'num_steps' not in message
+  assert ckpt_lib.latest_step(tmp_path) == 4
+  # run-control fields may change on resume
+  same = tiny_config(data_dir, num_steps=8, **{
+      'log_every': 1, 'eval_every': 0, 'eval_batches': 2,
+      'checkpoint_every': 2, 'keep_checkpoints': 3, 'progress': True,
+      'data.data_dir': data_dir + '/', 'init_from.step': 2})
+  summary = train.train_and_evaluate(same, tmp_path)
+  assert summary['finished'] and summary['step'] == 8
+  steps = [r['step'] for r in train.read_metrics(tmp_path)]
+  assert steps[-4:] == [5, 6, 7, 8]
+
+
+def _truncate_arrays(step_dir):
+  """Cuts every array data file of a checkpoint in half."""
+  files = [f for f in (step_dir / 'state').rglob('*')
+           if f.is_file() and f.parent.name == 'd']
+  assert files
+  for f in files:
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+
+
+def test_resume_falls_back_from_a_corrupt_newest_checkpoint(data_dir,
+                                                            tmp_path, capfd,
+                                                            caplog):
+  config = tiny_config(data_dir)
+  full = train.train_and_evaluate(config, tmp_path / 'full')
+  config.halt_after_steps = 10  # checkpoints at 4 and 8
+  train.train_and_evaluate(config, tmp_path / 'run')
+  _truncate_arrays(tmp_path / 'run' / 'checkpoints' / '8')
+  capfd.readouterr()
+  config.halt_after_steps = 0
+  resumed = train.train_and_evaluate(config, tmp_path / 'run')
+  gc.collect()  # failed Orbax read tasks report when collected
+  err = capfd.readouterr().err
+  assert not [r for r in caplog.records if r.name == 'asyncio'], \
+      caplog.text
+  lines = [l for l in err.splitlines() if 'unreadable' in l]
+  assert len(lines) == 1, err
+  assert lines[0].startswith('checkpoint at step 8 is unreadable (')
+  assert 'resuming from step 4' in lines[0]
+  assert 'Traceback' not in err and 'Event loop is closed' not in err, err
+  assert resumed['finished']
+  for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
+    np.testing.assert_array_equal(a, b)
+  assert (tmp_path / 'run' / 'unreadable_checkpoints' / '8').is_dir()
+  assert ckpt_lib.latest_step(tmp_path / 'run') == 12
 
 
 def test_int8_codec_sync_moves_a_quarter_of_the_fp32_bytes(data_dir):
