@@ -95,36 +95,19 @@ def _syncs_within(plan: outer_lib.Plan, num_steps: int) -> bool:
   return any(plan.is_sync(phase) for phase in plan.walk(0, num_steps))
 
 
-def _syncs_with_shorter_period(config, method: Method) -> bool:
-  """Whether ``method`` would sync within ``num_steps`` if
-  ``outer.sync_every`` were ``num_steps`` (or a little less, where the
-  method needs a multiple of something, e.g. Streaming DiLoCo's
-  fragments)."""
-  n = config.num_steps
-  for h in range(n, max(n - 16, 0), -1):
-    try:
-      plan = method.plan(cfg_lib.with_overrides(config,
-                                                {'outer.sync_every': h}))
-    except ValueError:
-      continue
-    return _syncs_within(plan, n)
-  return False
-
-
-def _check_syncs(config, method: Method, plan: outer_lib.Plan) -> None:
+def _check_syncs(config, plan: outer_lib.Plan) -> None:
   """A method that syncs on a period must sync within ``num_steps``.
 
   A period plan (DiLoCo, local SGD) always means to sync; a fixed plan
-  means to if it syncs within the run once ``outer.sync_every`` is cut to
-  ``num_steps`` (data parallel never syncs, DeMo exchanges every step).
+  means to if it syncs once the run is ``outer.sync_every`` steps longer
+  (data parallel never syncs; DeMo exchanges every step).
   """
   n = config.num_steps
   if _syncs_within(plan, n):
     return
   h = config.outer.get('sync_every')
   if plan.period_fn is None and not (
-      isinstance(h, int) and h > n
-      and _syncs_with_shorter_period(config, method)):
+      isinstance(h, int) and _syncs_within(plan, n + h)):
     return  # the plan's silence is not H's doing
   raise ValueError(
       f'outer.sync_every={h} (with outer.sync_schedule='
@@ -142,7 +125,7 @@ def _check_method(config) -> None:
                      f"'constant', got {sched!r}")
   registry.check_section(config)
   # validates the sync schedule and the method's fields
-  _check_syncs(config, method, method.plan(config))
+  _check_syncs(config, method.plan(config))
   if method.per_worker:
     cfg_lib.make_compressor(config)
 

@@ -144,7 +144,8 @@ def _worker_step(model, tx, fault_cfg, per_worker):
     worker = jax.lax.axis_index(parallel.WORKER) if per_worker else None
     grads = faults.inject(grads, step, worker, nan_steps, nan_workers)
     ok = jnp.isfinite(loss) & faults.all_finite(grads)
-    grads = faults.zero_if_not(ok, grads)
+    if not skippable:  # the step talks to other workers: send finite values
+      grads = faults.zero_if_not(ok, grads)
     updates, new_state = tx.update(grads, opt_state, params, sync=sync)
     new_params = optax.apply_updates(params, updates)
     if skippable:  # an inner step: skip it where it went bad
