@@ -189,6 +189,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.faults.max_bad_steps = 10
   c.faults.nan_grad_steps = ()  # Inject NaN gradients at these steps...
   c.faults.nan_grad_workers = ()  # ...on these workers (() = every worker).
+  c.faults.nan_param_steps = ()  # NaN parameters at these steps...
+  c.faults.nan_param_workers = ()  # ...on these workers (() = every worker).
+  # Worker dropout (diloco, local_sgd, streaming_diloco): these workers miss
+  # the syncs numbered drop_syncs (0 = first sync); their pseudo-gradients
+  # are left out of the mean, which is over the present workers, and they
+  # rejoin from the new anchor (metrics faults/left_out).
+  c.faults.drop_syncs = ()
+  c.faults.drop_workers = ()
+  # And at this fraction of the syncs (drawn from the seed) one worker,
+  # drawn too, misses the sync.
+  c.faults.drop_fraction = 0.0
 
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the

@@ -167,6 +167,101 @@ def worker_mean(delta: Any, codec_state: Any, *,
   return mean_fn(delta), delta, codec_state
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every float leaf of ``tree`` is finite."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``pred`` else ``old``, leaf by leaf (PRNG keys through
+  their data)."""
+
+  def pick(n, o):
+    if jnp.issubdtype(n.dtype, jax.dtypes.prng_key):
+      data = jnp.where(pred, jax.random.key_data(n), jax.random.key_data(o))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
+    return jnp.where(pred, n, o)
+
+  return jax.tree.map(pick, new, old)
+
+
+def present_mean(delta: Any, codec_state: Any, present: jax.Array, *,
+                 compressor: compression.Compressor | None,
+                 comm: compression.Comm | None, seed: int, index: jax.Array,
+                 mean_fn: Callable[[Any], Any]) -> tuple[Any, Any, Any]:
+  """The mean of ``delta`` over the workers where ``present`` is true.
+
+  An absent worker contributes zeros (its ``delta`` is never read, so a
+  NaN in it goes nowhere) and the sum is divided by the number of present
+  workers, which travels with the values: one float32 scalar per worker
+  more than :func:`worker_mean` sends. With no worker present the mean is
+  zero (the anchor stays). Through ``compressor``, an absent worker sends
+  the codec's encoding of zeros and keeps its codec state (error buffers)
+  as it was; this is exact for codecs that encode zeros as zeros and keep
+  no shared estimate (every quantizer and sparsifier here, classic error
+  feedback), but not for EF21 / EControl, whose shared estimate assumes
+  every worker's message.
+
+  Returns:
+    ``(mean, sent, codec_state)`` as :func:`worker_mean`.
+  """
+  weight = present.astype(jnp.float32)
+  masked = jax.tree.map(lambda d: jnp.where(present, d, jnp.zeros_like(d)),
+                        delta)
+  if compressor is None:
+    total, share = mean_fn((masked, weight))
+    sent, new_state = masked, codec_state
+  else:
+    total, sent, new_state = codec_mean(compressor, comm, seed, index,
+                                        masked, codec_state)
+    new_state = _select(present, new_state, codec_state)
+    share = comm.pmean(weight)
+  scale = jnp.where(share > 0, 1 / jnp.maximum(share, 1e-30), 0.)
+  mean = jax.tree.map(lambda t: (t * scale).astype(t.dtype), total)
+  return mean, sent, new_state
+
+
+def guarded_mean(delta: Any, codec_state: Any, present: jax.Array | None,
+                 **kwargs) -> tuple[Any, Any, Any, jax.Array]:
+  """The mean over workers that leaves out absent and non-finite workers.
+
+  With ``present`` given (worker dropout), :func:`present_mean` over the
+  workers that are present and whose ``delta`` is finite. Without it, the
+  plain :func:`worker_mean`; only if that mean is not finite (some worker
+  sent NaN / Inf) a second round, under ``lax.cond`` so that it costs
+  nothing when every worker is finite, recomputes it over the finite
+  workers. The recovery round's bytes are a conditional branch of the
+  compiled program (``loc_opt.parallel.CollectiveReport.branches``), not
+  part of a sync's unconditional bytes.
+
+  Args:
+    delta: this worker's pseudo-gradient.
+    codec_state: the compressor's state (``()`` without one).
+    present: per-worker bool scalar, or None (every worker present).
+    **kwargs: ``compressor``, ``comm``, ``seed``, ``index`` and ``mean_fn``
+      as :func:`worker_mean` takes them.
+
+  Returns:
+    ``(mean, sent, codec_state, included)``: as :func:`worker_mean`, and
+    whether this worker's ``delta`` entered the mean (bool scalar).
+  """
+  finite = all_finite(delta)
+  if present is not None:
+    included = jnp.logical_and(present, finite)
+    return present_mean(delta, codec_state, included, **kwargs) + (
+        included,)
+  plain = worker_mean(delta, codec_state, **kwargs)
+
+  def recover():
+    return present_mean(delta, codec_state, finite, **kwargs) + (finite,)
+
+  # A finite mean means every delta was finite: ``finite`` is true there.
+  return jax.lax.cond(all_finite(plain[0]), lambda: plain + (finite,),
+                      recover)
+
+
 # ---------------------------------------------------------------- phases ---
 def periodic_init(
     state_cls: Callable[..., Any],
@@ -220,6 +315,7 @@ def periodic_update(
     phase: Callable[[Any], tuple[Any, Any]] = bool_phase,
     varying: Callable[[Any], Any] = identity,
     period: Callable[[Any, jax.Array], jax.Array] | None = None,
+    takes_present: bool = False,
 ) -> Callable[..., tuple[optax.Updates, Any]]:
   """The ``update`` of a local method that syncs every ``H`` inner steps.
 
@@ -246,19 +342,29 @@ def periodic_update(
     varying: applied to both branches' outputs (see :func:`varying_fn`).
     period: ``(sync_every, count) -> H`` in force at inner step ``count``;
       default ``sync_every`` itself.
+    takes_present: whether the method supports worker dropout: then
+      ``update(..., present=...)`` (a per-worker bool scalar, None: present)
+      reaches ``sync_step`` as a fifth argument; otherwise passing it is an
+      error.
 
   Returns:
-    ``update_fn(updates, state, params, *, sync=None, **extra_args)``.
+    ``update_fn(updates, state, params, *, sync=None, present=None,
+    **extra_args)``.
   """
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+  def update_fn(updates, state, params=None, *, sync=None, present=None,
+                **extra_args):
+    if present is not None and not takes_present:
+      raise ValueError(f'{name} does not support worker dropout '
+                       '(update(..., present=...))')
     inner_updates, inner_state = inner_step(
         inner, name, updates, state.inner_state, params, extra_args)
     branch_phase, payload = phase(sync)
 
     def on_sync():
       local = optax.apply_updates(params, inner_updates)
-      new_updates, new = sync_step(state, params, local, payload)
+      args = (present,) if takes_present else ()
+      new_updates, new = sync_step(state, params, local, payload, *args)
       if set(new) != set(fields):
         raise ValueError(f'{name}: the sync step replaces {sorted(new)}'
                          f', not the fields {sorted(fields)}')

@@ -45,6 +45,8 @@ class DilocoState(NamedTuple):
     num_syncs: int32 scalar, syncs done (a diagnostic for the loop).
     codec_state: the pseudo-gradient compressor's per-worker state (e.g.
       error-feedback buffers, kept across syncs); ``()`` without a codec.
+    left_out: int32 scalar, syncs this worker's pseudo-gradient was left
+      out of the mean (absent, or not finite).
   """
 
   inner_state: optax.OptState
@@ -54,6 +56,7 @@ class DilocoState(NamedTuple):
   steps_since_sync: jax.Array
   num_syncs: jax.Array
   codec_state: Any = ()
+  left_out: Any = 0
 
 
 def _check_sync_every(sync_every: SyncEvery) -> None:
@@ -110,6 +113,17 @@ def diloco(
   between the two compiled programs must pass ``sync=True`` exactly on the
   steps where ``steps_since_sync + 1 == H``.
 
+  Workers that miss a sync: ``update(..., present=False)`` on a sync step
+  leaves this worker out of the mean, which is then over the present
+  workers (the count travels with the values: 4 bytes more per worker);
+  the absent worker still lands on the new anchor, so it rejoins from
+  there, and its codec state stays as it was. A worker whose
+  pseudo-gradient is not finite is left out the same way, present or not:
+  without ``present`` the plain mean is taken and, only when it comes out
+  non-finite, recomputed over the finite workers (a conditional second
+  round, free when every worker is finite). ``left_out`` in the state
+  counts the syncs each worker missed.
+
   Args:
     inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
       args.
@@ -158,7 +172,8 @@ def diloco(
   init_fn = _local.periodic_init(
       DilocoState, inner, anchor_dtype, lambda anchor: dict(
           outer_state=outer.init(anchor),
-          codec_state=() if compressor is None else compressor.init(anchor)))
+          codec_state=() if compressor is None else compressor.init(anchor),
+          left_out=jnp.zeros([], jnp.int32)))
 
   if reduce_fn is not None:
     mean_fn = reduce_fn
@@ -167,21 +182,24 @@ def diloco(
   else:
     mean_fn = _local.identity
 
-  def sync_step(state, params, local, _):
-    delta, _, codec_state = _local.worker_mean(
+  def sync_step(state, params, local, _, present):
+    delta, _, codec_state, included = _local.guarded_mean(
         _local.pseudo_gradient(state.anchor, local), state.codec_state,
-        compressor=compressor, comm=comm, seed=codec_seed,
+        present, compressor=compressor, comm=comm, seed=codec_seed,
         index=state.num_syncs, mean_fn=mean_fn)
     outer_updates, outer_state = outer.update(
         delta, state.outer_state, state.anchor)
     anchor = optax.apply_updates(state.anchor, outer_updates)
+    left_out = state.left_out + jnp.logical_not(included).astype(jnp.int32)
     return _local.updates_to(anchor, params), dict(
-        anchor=anchor, outer_state=outer_state, codec_state=codec_state)
+        anchor=anchor, outer_state=outer_state, codec_state=codec_state,
+        left_out=left_out)
 
   update_fn = _local.periodic_update(
       inner, sync_every, name='diloco', sync_step=sync_step,
-      fields=('anchor', 'outer_state', 'codec_state'),
-      varying=_local.varying_fn(comm), period=sync_period)
+      fields=('anchor', 'outer_state', 'codec_state', 'left_out'),
+      varying=_local.varying_fn(comm), period=sync_period,
+      takes_present=True)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

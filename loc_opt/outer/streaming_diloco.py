@@ -55,6 +55,8 @@ class StreamingDilocoState(NamedTuple):
     applies: int32 ``[P]``, outer updates applied per fragment.
     codec_state: tuple of ``P`` per-fragment compressor states (error
       buffers, kept across syncs); ``()`` without a codec.
+    left_out: int32 scalar, sends this worker's fragment was left out of
+      the mean (absent, or not finite).
   """
 
   inner_state: optax.OptState
@@ -65,6 +67,7 @@ class StreamingDilocoState(NamedTuple):
   sends: jax.Array
   applies: jax.Array
   codec_state: Any = ()
+  left_out: Any = 0
 
 
 # ------------------------------------------------------------ fragments ---
@@ -294,6 +297,7 @@ def _init(cfg: _Config, inner: optax.GradientTransformation,
       applies=zeros,
       codec_state=(() if cfg.compressor is None else
                    tuple(cfg.compressor.init(part) for part in parts)),
+      left_out=jnp.zeros([], jnp.int32),
   )
 
 
@@ -303,8 +307,9 @@ class _Step:
 
   def __init__(self, cfg: _Config, state: StreamingDilocoState,
                groups: list[list[int]], params: optax.Params,
-               inner_updates: optax.Updates):
+               inner_updates: optax.Updates, present: jax.Array | None):
     self.cfg, self.state, self.groups = cfg, state, groups
+    self.present = present
     self.p_leaves, self.treedef = jax.tree.flatten(params)
     self.u_leaves = self.treedef.flatten_up_to(inner_updates)
     self.a_leaves = jax.tree.leaves(state.anchor)
@@ -313,19 +318,23 @@ class _Step:
     """``theta' = theta + u`` of leaf ``i``, in params dtype."""
     return optax.apply_updates(self.p_leaves[i], self.u_leaves[i])
 
-  def mean_delta(self, p: int, codec_states: Any) -> tuple[list[Any], Any]:
-    """Fragment ``p``'s pseudo-gradient averaged over workers, and the
-    codec states with fragment ``p``'s updated."""
+  def mean_delta(self, p: int, codec_states: Any
+                 ) -> tuple[list[Any], Any, jax.Array]:
+    """Fragment ``p``'s pseudo-gradient averaged over the present workers
+    whose fragment is finite (``loc_opt.outer._local.guarded_mean``), the
+    codec states with fragment ``p``'s updated, and whether this worker's
+    fragment entered the mean."""
     cfg, idx = self.cfg, self.groups[p]
     delta = _local.pseudo_gradient([self.a_leaves[i] for i in idx],
                                    [self.local(i) for i in idx])
-    if cfg.compressor is None:
-      return (delta if cfg.comm is None else cfg.comm.pmean(delta),
-              codec_states)
-    delta, _, cs = _local.codec_mean(
-        cfg.compressor, cfg.comm, cfg.codec_seed, self.state.count, delta,
-        codec_states[p])
-    return delta, codec_states[:p] + (cs,) + codec_states[p + 1:]
+    state = () if cfg.compressor is None else codec_states[p]
+    mean, _, cs, included = _local.guarded_mean(
+        delta, state, self.present, compressor=cfg.compressor,
+        comm=cfg.comm, seed=cfg.codec_seed, index=self.state.count,
+        mean_fn=_local.identity if cfg.comm is None else cfg.comm.pmean)
+    if cfg.compressor is not None:
+      codec_states = codec_states[:p] + (cs,) + codec_states[p + 1:]
+    return mean, codec_states, included
 
   def run(self, send: int | None, apply: int | None) -> tuple[Any, ...]:
     """The new (updates, anchor, outer, in_flight, codec, sends, applies)
@@ -335,9 +344,10 @@ class _Step:
     outer_state, in_flight = state.outer_state, state.in_flight
     codec_states = state.codec_state
     sends, applies = state.sends, state.applies
-    mean = None
+    mean, left_out = None, state.left_out
     if send is not None:
-      mean, codec_states = self.mean_delta(send, codec_states)
+      mean, codec_states, included = self.mean_delta(send, codec_states)
+      left_out = left_out + jnp.logical_not(included).astype(jnp.int32)
       sends = sends + jax.nn.one_hot(send, cfg.num_fragments,
                                      dtype=jnp.int32)
       if cfg.overlap:
@@ -362,7 +372,7 @@ class _Step:
       applies = applies + jax.nn.one_hot(apply, cfg.num_fragments,
                                          dtype=jnp.int32)
     return cfg.varying((out_u, anchor, outer_state, in_flight, codec_states,
-                        sends, applies))
+                        sends, applies, left_out))
 
 
 def _switch(step: _Step) -> tuple[Any, ...]:
@@ -440,6 +450,11 @@ def streaming_diloco(
   each phase compiles to its own program and inner steps move no
   cross-worker bytes.
 
+  Worker dropout and non-finite values as in :func:`loc_opt.diloco`:
+  ``update(..., present=False)`` on a send step leaves this worker's
+  fragment out of that fragment's mean (over the present workers), and a
+  non-finite fragment is left out the same way; ``left_out`` counts them.
+
   Args:
     inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
       args.
@@ -505,16 +520,18 @@ def streaming_diloco(
   def init_fn(params):
     return _init(cfg, inner, params, split(params), anchor_dtype)
 
-  def update_fn(updates, state, params=None, *, sync=None, **extra_args):
+  def update_fn(updates, state, params=None, *, sync=None, present=None,
+                **extra_args):
     inner_updates, inner_state = _local.inner_step(
         inner, 'streaming_diloco', updates, state.inner_state, params,
         extra_args)
-    step = _Step(cfg, state, split(params), params, inner_updates)
+    step = _Step(cfg, state, split(params), params, inner_updates, present)
     if sync is None:
       out = _switch(step)
     else:
       out = step.run(*_check_phase(sync, p_count, overlap))
-    out_u, anchor, outer_state, in_flight, codec_states, sends, applies = out
+    (out_u, anchor, outer_state, in_flight, codec_states, sends, applies,
+     left_out) = out
     new_state = StreamingDilocoState(
         inner_state=inner_state,
         anchor=step.treedef.unflatten(anchor),
@@ -524,6 +541,7 @@ def streaming_diloco(
         sends=sends,
         applies=applies,
         codec_state=codec_states,
+        left_out=left_out,
     )
     return step.treedef.unflatten(out_u), new_state
 

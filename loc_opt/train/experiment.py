@@ -130,6 +130,28 @@ def _check_method(config) -> None:
     cfg_lib.make_compressor(config)
 
 
+def _check_dropout(config) -> None:
+  """Worker dropout (``faults.drop_*``) needs a method whose mean can leave
+  a worker out, and no codec whose shared estimate assumes every worker's
+  message (EF21, EControl)."""
+  if not faults.drops_workers(config):
+    return
+  if registry.get_method(config.outer.method).left_out is None:
+    supported = sorted(k for k, m in registry.METHODS.items()
+                       if m.left_out is not None)
+    raise ValueError(
+        f'faults.drop_syncs / faults.drop_fraction: outer.method='
+        f'{config.outer.method!r} does not support worker dropout '
+        f'(supported: {", ".join(supported)})')
+  feedback = config.outer.get('error_feedback', 'none')
+  if config.outer.get('codec', 'none') != 'none' and \
+      feedback in ('ef21', 'econtrol'):
+    raise ValueError(
+        f'faults.drop_syncs / faults.drop_fraction: outer.error_feedback='
+        f'{feedback!r} keeps a shared estimate of every worker\'s messages, '
+        "which an absent worker would break; use 'ef' or 'none'")
+
+
 def _check_init_from(config) -> None:
   """Validates the ``init_from`` fields (a branch off another run)."""
   init = config.get('init_from')
@@ -168,6 +190,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   simulated_time.validate(config)
   spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
   faults.settings(config)
+  _check_dropout(config)
   _check_init_from(config)
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
@@ -318,6 +341,7 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   dp_config.optimizer.schedule_kwargs = {}
   dp_config.optimizer.spike_num = 0
   dp_config.init_from = ml_collections.ConfigDict({'workdir': '', 'step': 0})
+  dp_config.faults = ml_collections.ConfigDict()  # no injected faults
   exp = get_experiment(dp_config)
   return exp.programs.bytes_per_step[exp.plan.inner]
 

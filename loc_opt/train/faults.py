@@ -15,12 +15,26 @@ After ``faults.max_bad_steps`` consecutive bad steps on any worker the run
 stops with a :class:`NonFiniteError` (checked at every logging step), and a
 checkpoint is never written with non-finite parameters.
 
+At a sync, a worker whose pseudo-gradient is not finite is left out of the
+average (the methods that support it, ``Method.left_out``: DiLoCo, local
+SGD, Streaming DiLoCo; see ``loc_opt.diloco``), and counted
+(``faults/left_out``).
+
 The ``faults`` config section also injects faults for tests and research:
 NaN gradients at given steps (``nan_grad_steps``) on given workers
-(``nan_grad_workers``; empty: every worker).
+(``nan_grad_workers``; empty: every worker), NaN parameters the same way
+(``nan_param_steps``, ``nan_param_workers``: a worker whose memory went bad;
+it skips its steps until a sync leaves it out and resets it to the anchor),
+and worker dropout: workers
+``drop_workers`` miss the syncs numbered ``drop_syncs`` (0 = the run's first
+sync), and at a fraction ``drop_fraction`` of all syncs (drawn from the
+seed) one worker, drawn too, misses it. An absent worker contributes
+nothing to that sync's mean, which is over the present workers, and
+rejoins from the new anchor (:func:`absences`).
 """
 
 from collections.abc import Sequence
+import math
 from typing import Any
 
 import jax
@@ -51,14 +65,79 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   section = config.get('faults') or ml_collections.ConfigDict()
   steps = _ints(section.get('nan_grad_steps'), 'faults.nan_grad_steps')
   workers = _ints(section.get('nan_grad_workers'), 'faults.nan_grad_workers')
-  for w in workers:
-    if w >= config.mesh.workers:
-      raise ValueError(f'faults.nan_grad_workers has worker {w}, but there '
-                       f'are mesh.workers={config.mesh.workers}')
+  param_steps = _ints(section.get('nan_param_steps'),
+                      'faults.nan_param_steps')
+  param_workers = _ints(section.get('nan_param_workers'),
+                        'faults.nan_param_workers')
+  for field, values in (('nan_grad_workers', workers),
+                        ('nan_param_workers', param_workers)):
+    for w in values:
+      if w >= config.mesh.workers:
+        raise ValueError(f'faults.{field} has worker {w}, but there are '
+                         f'mesh.workers={config.mesh.workers}')
   limit = _checks.nonnegative_int(section.get('max_bad_steps', 0),
                                   'faults.max_bad_steps')
+  drop_syncs = _ints(section.get('drop_syncs'), 'faults.drop_syncs')
+  drop_workers = _ints(section.get('drop_workers'), 'faults.drop_workers')
+  for w in drop_workers:
+    if w >= config.mesh.workers:
+      raise ValueError(f'faults.drop_workers has worker {w}, but there are '
+                       f'mesh.workers={config.mesh.workers}')
+  if bool(drop_syncs) != bool(drop_workers):
+    raise ValueError('faults.drop_syncs and faults.drop_workers go together '
+                     f'(got drop_syncs={drop_syncs}, drop_workers='
+                     f'{drop_workers})')
+  fraction = section.get('drop_fraction', 0.0)
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+      or not 0 <= fraction < 1:
+    raise ValueError(f'faults.drop_fraction must be in [0, 1), got '
+                     f'{fraction!r}')
   return {'nan_grad_steps': steps, 'nan_grad_workers': workers,
-          'max_bad_steps': limit}
+          'nan_param_steps': param_steps,
+          'nan_param_workers': param_workers, 'max_bad_steps': limit, 'drop_syncs': drop_syncs,
+          'drop_workers': drop_workers, 'drop_fraction': float(fraction)}
+
+
+def drops_workers(config: ml_collections.ConfigDict) -> bool:
+  """Whether the ``faults`` section drops workers from syncs."""
+  s = settings(config)
+  return bool(s['drop_syncs']) or s['drop_fraction'] > 0
+
+
+def absences(config: ml_collections.ConfigDict, plan: Any
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """The ``(step, worker)`` pairs of the run's absences, as two int32
+  arrays: for each sync step of ``plan`` over ``config.num_steps`` (sync
+  ``s`` = the ``s``-th step where ``plan.is_sync``), the ``drop_workers`` if
+  ``s`` is in ``drop_syncs``, and the one worker drawn for it if it is among
+  the ``drop_fraction`` of syncs drawn (``numpy`` generator seeded with
+  ``config.seed``, so a resumed run draws the same)."""
+  s = settings(config)
+  sync_steps = [t for t, phase in enumerate(plan.walk(0, config.num_steps))
+                if plan.is_sync(phase)]
+  pairs = set()
+  for index in s['drop_syncs']:
+    if index < len(sync_steps):
+      pairs.update((sync_steps[index], w) for w in s['drop_workers'])
+  if s['drop_fraction'] > 0:
+    rng = np.random.default_rng([config.seed, 0xD2097])
+    count = math.ceil(s['drop_fraction'] * len(sync_steps))
+    chosen = rng.choice(len(sync_steps), size=count, replace=False)
+    workers = rng.integers(config.mesh.workers, size=count)
+    pairs.update((sync_steps[i], int(w)) for i, w in zip(chosen, workers))
+  pairs = sorted(pairs)
+  return (np.asarray([p[0] for p in pairs], np.int32),
+          np.asarray([p[1] for p in pairs], np.int32))
+
+
+def present(step: jax.Array, worker: jax.Array,
+            absent: tuple[np.ndarray, np.ndarray]) -> jax.Array:
+  """Whether ``worker`` takes part in the sync at ``step`` (bool scalar)."""
+  steps, workers = absent
+  if not steps.size:
+    return jnp.bool_(True)
+  return jnp.logical_not(jnp.any((jnp.asarray(steps) == step)
+                                 & (jnp.asarray(workers) == worker)))
 
 
 def init(workers: int | None) -> dict[str, jax.Array]:
@@ -77,8 +156,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 def inject(grads: Any, step: jax.Array, worker: jax.Array | None,
            steps: Sequence[int], workers: Sequence[int]) -> Any:
-  """``grads`` with NaN in their first leaf at the configured steps (and
-  workers; ``worker`` None: every worker)."""
+  """``grads`` (or parameters) with NaN in their first leaf at the
+  configured steps (and workers; ``worker`` None: every worker)."""
   if not steps:
     return grads
   hit = jnp.isin(step, jnp.asarray(steps, jnp.int32))

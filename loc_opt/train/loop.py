@@ -38,6 +38,7 @@ class _Counters:
   syncs: int
   cross_worker_bytes: int
   bad_steps: int = 0  # non-finite steps, all workers (read when logging)
+  left_out: int = 0  # workers left out of a sync's mean, summed over syncs
 
   def advance(self, synced: bool, step_bytes: int) -> None:
     self.step += 1
@@ -64,6 +65,13 @@ def _counters(exp: exp_lib.Experiment, state, step: int) -> _Counters:
   inner = nbytes[exp.plan.inner]
   total = syncs * (exp.sync_bytes() or 0) + (step - syncs) * inner
   return _Counters(step, since, syncs, total)
+
+
+def _left_out(exp: exp_lib.Experiment, state) -> int:
+  """Workers left out of a sync's mean so far, summed over workers."""
+  if exp.method.left_out is None:
+    return 0
+  return int(np.sum(hosts.fetch(exp.method.left_out(state['opt_state']))))
 
 
 def _start(exp, ckpt, config, config_json, branch, progress):
@@ -122,6 +130,8 @@ class _Logger:
     if sync_bytes is not None:
       scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
     scalars['faults/bad_steps'] = counters.bad_steps
+    if self.exp.method.left_out is not None:
+      scalars['faults/left_out'] = counters.left_out
     if evaluate:
       scalars['eval/loss'] = self.exp.evaluate(state, self.eval_batches)
       self.last_eval = scalars['eval/loss']
@@ -159,6 +169,7 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     log_now, eval_now = logger.due(counters.step)
     if log_now or eval_now:
       counters.bad_steps = faults.check(state, counters.step, max_bad)
+      counters.left_out = _left_out(exp, state)
       logger.log(counters, state, loss_arr, step_bytes, eval_now)
     if ckpt.should_save(counters.step, config.num_steps):
       faults.check_params(state['params'], counters.step)
@@ -187,6 +198,7 @@ def _summary(exp, config, counters, logger, workdir, compile_s
       'cross_worker_bytes': counters.cross_worker_bytes,
       'syncs': counters.syncs,
       'bad_steps': counters.bad_steps,
+      'left_out': counters.left_out,
       'data_parallel_cross_worker_bytes': dp_step * config.num_steps,
       'bytes_per_inner_step': nbytes[exp.programs.steps.phases[0]],
       'bytes_per_sync_step': exp.sync_bytes(),

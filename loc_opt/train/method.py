@@ -52,6 +52,10 @@ class Method:
     local_inner_steps: whether the inner phase talks to no other worker, so
       a worker can skip a non-finite inner step on its own
       (``loc_opt.train.faults``); false for compressed data parallel.
+    left_out: ``opt_state -> int`` of one worker's state, the syncs it was
+      left out of (absent, or a non-finite pseudo-gradient), for the
+      methods whose mean leaves such workers out; only those accept the
+      ``faults`` section's worker dropout. None: not supported.
     section: the method's own config section, ``outer.<section>`` (None if
       it has none).
     library_kwargs: ``config -> {library function: keyword arguments}``, the
@@ -69,6 +73,7 @@ class Method:
   overlap_steps: Callable[[Config], int] = lambda config: 0
   waits_for_stragglers: bool = True
   local_inner_steps: bool = True
+  left_out: Callable[[Any], Any] | None = None
   section: str | None = None
   library_kwargs: Callable[[Config], Mapping[Callable[..., Any],
                                              dict[str, Any]]] | None = None

@@ -131,26 +131,41 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
                               sharding=batch_sharding(mesh, per_worker))
 
 
-def _worker_step(model, tx, fault_cfg, per_worker):
+def _worker_step(model, tx, fault_cfg, per_worker, absent=None, reset=None):
   """One worker's step: gradients (with injected faults), the update, and
-  the skip of a non-finite step (``loc_opt.train.faults``)."""
+  the skip of a non-finite step (``loc_opt.train.faults``). With ``absent``
+  (``faults.absences``), a step that syncs tells the method whether this
+  worker is present (``update(..., present=...)``). With ``reset``
+  (``(opt_state, params) -> the anchor``), a worker whose parameters are
+  still not finite after a step that syncs (its pseudo-gradient was left
+  out; an update cannot move a NaN) restarts from the anchor."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
 
   def worker_step(params, opt_state, counters, batch, step, *, sync,
                   skippable):
+    worker = jax.lax.axis_index(parallel.WORKER) if per_worker else None
+    params = faults.inject(params, step, worker,
+                           fault_cfg['nan_param_steps'],
+                           fault_cfg['nan_param_workers'])
     loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
         params, batch)
-    worker = jax.lax.axis_index(parallel.WORKER) if per_worker else None
     grads = faults.inject(grads, step, worker, nan_steps, nan_workers)
     ok = jnp.isfinite(loss) & faults.all_finite(grads)
     if not skippable:  # the step talks to other workers: send finite values
       grads = faults.zero_if_not(ok, grads)
-    updates, new_state = tx.update(grads, opt_state, params, sync=sync)
+    extra = {}
+    if absent is not None and not skippable:
+      extra['present'] = faults.present(step, worker, absent)
+    updates, new_state = tx.update(grads, opt_state, params, sync=sync,
+                                   **extra)
     new_params = optax.apply_updates(params, updates)
     if skippable:  # an inner step: skip it where it went bad
       new_params = faults.keep_if(ok, new_params, params)
       new_state = faults.keep_if(ok, new_state, opt_state)
+    elif reset is not None:
+      new_params = faults.keep_if(faults.all_finite(new_params), new_params,
+                                  reset(new_state, new_params))
     return new_params, new_state, faults.advance(counters, ok), loss
 
   return worker_step
@@ -162,8 +177,14 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   abstract_batch = _abstract_batch(config, mesh, method.per_worker)
   loss_sharding = jax.NamedSharding(
       mesh, P(parallel.WORKER) if method.per_worker else P())
+  absent = None
+  if faults.drops_workers(config):
+    absent = faults.absences(config, plan)
+  # Methods that leave a non-finite worker out of a sync share an anchor
+  # (their evaluation weights) to reset it to.
+  reset = method.eval_params if method.left_out is not None else None
   worker_step = _worker_step(model, tx, faults.settings(config),
-                             method.per_worker)
+                             method.per_worker, absent, reset)
 
   def make_step(sync):
     # Only a step that talks to no other worker can be skipped on its own.

@@ -105,6 +105,10 @@ def _diloco_counters(opt_state):
   return opt_state.num_syncs, opt_state.steps_since_sync
 
 
+def _left_out(opt_state):
+  return opt_state.left_out
+
+
 # ------------------------------------------------------- Streaming DiLoCo
 
 
@@ -322,11 +326,11 @@ METHODS: Mapping[str, Method] = {
     'diloco': Method(
         per_worker=True, build=_build_diloco, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
-        follows_sync_schedule=True),
+        follows_sync_schedule=True, left_out=_left_out),
     'local_sgd': Method(
         per_worker=True, build=_build_local_sgd, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
-        follows_sync_schedule=True),
+        follows_sync_schedule=True, left_out=_left_out),
     # Data parallel where each worker computes its own gradient and only the
     # compressed payloads (outer.codec) cross workers, every step.
     'compressed_data_parallel': Method(
@@ -337,7 +341,7 @@ METHODS: Mapping[str, Method] = {
         per_worker=True, build=_build_streaming, plan=_streaming_plan,
         eval_params=outer_lib.streaming_eval_params,
         overlap_steps=_streaming_overlap, section='streaming_diloco',
-        library_kwargs=_streaming_kwargs),
+        library_kwargs=_streaming_kwargs, left_out=_left_out),
     'eager_diloco': Method(
         per_worker=True, build=_build_eager,
         plan=_fixed_plan(outer_lib.eager_plan),

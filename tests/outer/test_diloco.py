@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import loc_opt
+from loc_opt import compression
 from loc_opt import parallel
 from tests import optax_conformance as conf
 from tests.outer import _helpers as helpers
@@ -202,7 +203,113 @@ def test_cond_program_has_the_sync_collective_only_in_one_branch():
   report = parallel.collective_bytes(compiled, mesh)
   n = sum(x[0].size for x in jax.tree.leaves(params))
   assert report.cross_worker_bytes == 0  # nothing crosses unconditionally
-  # One branch all-reduces the fp32 pseudo-gradient on all 8 devices (a
-  # plain pmean: each data replica sends its copy); the other moves nothing.
-  assert sorted(sum(report.branches.values(), ())) == [0, 4 * n * 8]
-  assert report.cross_worker_bytes_range == (0, 4 * n * 8)
+  # The sync branch all-reduces the fp32 pseudo-gradient on all 8 devices
+  # (a plain pmean: each data replica sends its copy); the inner branch
+  # moves nothing. Inside the sync branch, the recovery round for a
+  # non-finite mean (the values again, with each worker's weight) is a
+  # conditional of its own, taken only when the mean is not finite.
+  plain, recovery = 4 * n * 8, 4 * (n + 1) * 8
+  assert sorted(sorted(b) for b in report.branches.values()) == [
+      [0, recovery], [0, plain + recovery]]
+  assert report.cross_worker_bytes_range == (0, plain + recovery)
+
+
+# ------------------------------------------------- dropout and non-finite ---
+def _one_sync(tx, grads, present=None, mesh=None):
+  """One sync step (H=1, sgd inner) of M workers from identical params
+  with per-worker ``grads``; ``present`` per worker or None."""
+  params = helpers.stack(conf.example_params())
+  state = jax.vmap(tx.init)(params)
+
+  def step(params, state, grads, present):
+    updates, state = tx.update(grads, state, params, sync=True,
+                               present=present)
+    return optax.apply_updates(params, updates), state
+
+  if mesh is None:
+    run = jax.vmap(step, axis_name='worker',
+                   in_axes=(0, 0, 0, None if present is None else 0))
+  else:
+    run = parallel.shard_map_workers(
+        step, mesh, in_axes=(0, 0, 0, None if present is None else 0))
+  return jax.jit(run)(params, state, grads, present)
+
+
+def _worker_grads(bad=None):
+  grads = helpers.stack(conf.example_params())
+  grads = jax.tree.map(
+      lambda g: g * jnp.arange(1., M + 1).reshape((M,) + (1,) * (g.ndim - 1)),
+      grads)
+  if bad is not None:
+    grads['w'] = grads['w'].at[bad].set(jnp.nan)
+  return grads
+
+
+def _expected_anchor(grads, workers, lr=0.1, outer_lr=0.7):
+  """Plain outer SGD after one inner SGD step: the anchor minus ``outer_lr``
+  times the mean over ``workers`` of ``lr * grad``."""
+  params = conf.example_params()
+  return jax.tree.map(
+      lambda p, g: p - outer_lr * lr * jnp.mean(g[jnp.asarray(workers)], 0),
+      params, grads)
+
+
+def test_absent_worker_is_left_out_of_the_mean_and_rejoins_at_the_anchor():
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7))
+  grads = _worker_grads()
+  present = jnp.asarray([True, False, True, True])
+  params, state = _one_sync(tx, grads, present)
+  want = _expected_anchor(grads, [0, 2, 3])
+  for m in range(M):  # every worker, the absent one too, is at the anchor
+    conf.assert_trees_close(helpers.worker(params, m), want, rtol=1e-6)
+  np.testing.assert_array_equal(state.left_out, [0, 1, 0, 0])
+  # All present: the plain mean (no worker left out).
+  params, state = _one_sync(tx, grads, jnp.ones([M], bool))
+  conf.assert_trees_close(helpers.worker(params, 0),
+                          _expected_anchor(grads, range(M)), rtol=1e-6)
+  np.testing.assert_array_equal(state.left_out, [0] * M)
+
+
+def test_no_worker_present_leaves_the_anchor_where_it_was():
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7))
+  params, state = _one_sync(tx, _worker_grads(), jnp.zeros([M], bool))
+  conf.assert_trees_close(helpers.worker(params, 2), conf.example_params())
+  np.testing.assert_array_equal(state.left_out, [1] * M)
+
+
+@pytest.mark.parametrize('on_mesh', [False, True])
+def test_non_finite_pseudo_gradient_is_left_out(on_mesh):
+  mesh = parallel.make_worker_mesh(M, data=2) if on_mesh else None
+  reduce_fn = parallel.worker_mean() if on_mesh else None
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7),
+                      reduce_fn=reduce_fn)
+  grads = _worker_grads(bad=2)
+  params, state = _one_sync(tx, grads, mesh=mesh)
+  want = _expected_anchor(grads, [0, 1, 3])
+  for m in range(M):  # the NaN worker is reset to the finite anchor
+    conf.assert_trees_close(helpers.worker(params, m), want, rtol=1e-6)
+  np.testing.assert_array_equal(state.left_out, [0, 0, 1, 0])
+
+
+def test_absent_worker_keeps_its_codec_state():
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7),
+                      codec=compression.error_feedback(
+                          compression.as_compressor(compression.int8())))
+  grads = _worker_grads()
+  present = jnp.asarray([True, True, False, True])
+  params, state = _one_sync(tx, grads, present)
+  errors = jax.tree.leaves(state.codec_state.error)
+  for e in errors:  # the absent worker sent nothing: its buffer stays zero
+    np.testing.assert_array_equal(e[2], jnp.zeros_like(e[2]))
+    assert float(jnp.max(jnp.abs(e[0]))) > 0  # the others kept a residual
+  conf.assert_trees_close(helpers.worker(params, 2),
+                          _expected_anchor(grads, [0, 1, 3]), rtol=2e-2,
+                          atol=1e-3)
+
+
+def test_methods_without_dropout_refuse_present():
+  tx = loc_opt.eager_diloco(optax.sgd(0.1), sync_every=1, axis_name=None)
+  params = conf.example_params()
+  with pytest.raises(ValueError, match='does not support worker dropout'):
+    tx.update(params, tx.init(params), params, sync=True,
+              present=jnp.bool_(True))

@@ -334,8 +334,11 @@ def test_hlo_bytes_per_phase():
     for phase in phases:
       report = helpers.phase_report(tx, params, phase, mesh)
       got[phase] = report.cross_worker_bytes_per_worker
+      # The only conditional collectives: the recovery round for a
+      # non-finite mean, whose fast branch moves nothing.
       assert report.cross_worker_bytes_range[0] == \
-          report.cross_worker_bytes_range[1]  # no conditional collectives
+          report.cross_worker_bytes
+      assert all(0 in b for b in report.branches.values())
     if codec is None:
       assert got[False] == got[(None, 0)] == 0
     for q in range(p):
@@ -353,9 +356,41 @@ def test_switch_program_sends_only_inside_branches():
                               num_fragments=3, overlap=0)
   report = helpers.phase_report(tx, helpers.stack(hlo_params()), None, mesh)
   assert report.cross_worker_bytes == 0
-  (branches,) = report.branches.values()
-  # Inner branch moves nothing; each fragment's branch its 4 KiB per worker.
+  (branches,) = [b for b in report.branches.values() if len(b) == 4]
+  # Inner branch moves nothing; each fragment's branch its 4 KiB per worker,
+  # and holds a nested conditional (the recovery round for a non-finite
+  # mean: the fragment again, with each worker's weight) whose other
+  # branch moves nothing.
+  recovery = [b for b in report.branches.values() if len(b) == 2]
+  assert len(recovery) == 3 and all(sorted(b)[0] == 0 for b in recovery)
   assert sorted(branches)[0] == 0
-  np.testing.assert_allclose(np.array(sorted(branches)[1:]) / M, 4096,
+  np.testing.assert_allclose(np.array(sorted(branches)[1:]) / M, 2 * 4096,
                              rtol=0.1)
-  assert len(branches) == 4
+
+
+def test_dropout_and_non_finite_fragment_as_diloco():
+  """P=1, tau=0 with an absent worker and a NaN worker equals diloco's
+  mean over the rest; ``left_out`` counts both."""
+  params = helpers.stack(conf.example_params())
+  grads = jax.tree.map(
+      lambda g: g * jnp.arange(1., M + 1).reshape((M,) + (1,) * (g.ndim - 1)),
+      params)
+  grads['w'] = grads['w'].at[3].set(jnp.nan)
+  present = jnp.asarray([True, False, True, True])
+  kwargs = dict(sync_every=1, outer=optax.sgd(0.7))
+  results = []
+  for tx, sync in ((outer.streaming_diloco(optax.sgd(0.1), num_fragments=1,
+                                           overlap=0, **kwargs), (0, 0)),
+                   (loc_opt.diloco(optax.sgd(0.1), **kwargs), True)):
+
+    def step(p, s, g, present, tx=tx, sync=sync):
+      u, s = tx.update(g, s, p, sync=sync, present=present)
+      return optax.apply_updates(p, u), s
+
+    results.append(jax.vmap(step, axis_name='worker')(
+        params, jax.vmap(tx.init)(params), grads, present))
+  (got, s_state), (want, d_state) = results
+  conf.assert_trees_close(got, want, rtol=1e-6)
+  np.testing.assert_array_equal(s_state.left_out, [0, 1, 0, 1])
+  np.testing.assert_array_equal(d_state.left_out, [0, 1, 0, 1])
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got))

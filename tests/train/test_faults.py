@@ -96,10 +96,95 @@ def test_non_finite_params_are_never_saved():
 @pytest.mark.parametrize('field, value', [
     ('faults.nan_grad_workers', (4,)),
     ('faults.nan_grad_steps', (-1,)),
+    ('faults.nan_param_workers', (5,)),
     ('faults.max_bad_steps', -1),
+    ('faults.drop_workers', (4,)),
+    ('faults.drop_syncs', (1,)),  # without drop_workers
+    ('faults.drop_fraction', 1.0),
+    ('faults.drop_fraction', -0.1),
+    ('faults.drop_fraction', True),
 ])
 def test_bad_fault_fields_are_named(data_dir, tmp_path, field, value):
-  config = tiny_config(data_dir, **{field: value})
+  overrides = {field: value}
+  if field == 'faults.drop_workers':
+    overrides['faults.drop_syncs'] = (0,)
+  config = tiny_config(data_dir, **overrides)
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.train_and_evaluate(config, tmp_path / 'wd')
   assert not (tmp_path / 'wd').exists()
+
+
+@pytest.mark.parametrize('overrides, match', [
+    ({'outer.method': 'demo'}, "'demo' does not support worker dropout"),
+    ({'outer.codec': 'int8', 'outer.error_feedback': 'ef21'},
+     "error_feedback='ef21'"),
+])
+def test_dropout_needs_a_method_that_can_leave_workers_out(
+    data_dir, tmp_path, overrides, match):
+  config = tiny_config(data_dir, **{'faults.drop_fraction': 0.5,
+                                    **overrides})
+  with pytest.raises(ValueError, match=match):
+    train.train_and_evaluate(config, tmp_path / 'wd')
+  assert not (tmp_path / 'wd').exists()
+
+
+def test_absences_are_drawn_from_the_seed(data_dir):
+  config = tiny_config(data_dir, **{'num_steps': 48,
+                                    'faults.drop_fraction': 0.25,
+                                    'faults.drop_syncs': (0, 40),
+                                    'faults.drop_workers': (3,)})
+  plan = exp_lib.get_experiment(config).plan
+  steps, workers = faults.absences(config, plan)
+  # 12 syncs (H = 4: steps 3, 7, ..., 47): a quarter of them lose one
+  # drawn worker, and the first sync loses worker 3 (sync 40 does not exist).
+  drawn = [(s, w) for s, w in zip(steps, workers) if (s, w) != (3, 3)]
+  assert len(drawn) in (3, 2)  # 2 if a draw hit (step 3, worker 3) too
+  assert (3, 3) in set(zip(steps.tolist(), workers.tolist()))
+  assert all(s % 4 == 3 for s in steps) and all(0 <= w < 4 for w in workers)
+  again = faults.absences(config, plan)
+  np.testing.assert_array_equal(again[0], steps)
+  np.testing.assert_array_equal(again[1], workers)
+  other = faults.absences(tiny_config(data_dir, **{
+      'num_steps': 48, 'seed': 1, 'faults.drop_fraction': 0.25}), plan)
+  assert len(other[0]) == 3
+
+
+def test_a_dropped_worker_is_left_out_and_rejoins_at_the_anchor(
+    data_dir, tmp_path):
+  # H = 4: syncs at steps 3, 7, 11; worker 2 misses sync 1 (step 7).
+  config = tiny_config(data_dir, **{'faults.drop_syncs': (1,),
+                                    'faults.drop_workers': (2,)})
+  summary = train.train_and_evaluate(config, tmp_path / 'drop')
+  assert summary['finished'] and summary['left_out'] == 1
+  state = summary['state']
+  np.testing.assert_array_equal(state['opt_state'].left_out, [0, 0, 1, 0])
+  # Step 11 synced: every worker, the dropped one too, is at the shared
+  # anchor (within the rounding of theta + (phi - theta)).
+  for p, a in zip(leaves(state['params']), leaves(state['opt_state'].anchor)):
+    for m in range(4):
+      np.testing.assert_array_equal(a[m], a[0])
+      np.testing.assert_allclose(p[m], a[0], rtol=1e-6, atol=1e-9)
+  records = train.read_metrics(tmp_path / 'drop')
+  lefts = [r['faults/left_out'] for r in records if 'faults/left_out' in r]
+  assert lefts[0] == 0 and lefts[-1] == 1
+  plain = train.train_and_evaluate(tiny_config(data_dir), tmp_path / 'all')
+  assert plain['left_out'] == 0
+  assert plain['final_eval_loss'] != summary['final_eval_loss']
+
+
+def test_a_worker_with_nan_params_is_left_out_and_reset_at_the_sync(
+    data_dir, tmp_path):
+  # Worker 1's parameters go NaN at step 5: it skips steps 5 and 6, sends a
+  # NaN pseudo-gradient at the sync of step 7, which leaves it out and
+  # resets it to the (finite) anchor; it trains normally afterwards.
+  config = tiny_config(data_dir, **{'faults.nan_param_steps': (5,),
+                                    'faults.nan_param_workers': (1,)})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['left_out'] == 1
+  assert summary['bad_steps'] == 3
+  state = summary['state']
+  np.testing.assert_array_equal(state['faults']['bad_steps'], [0, 3, 0, 0])
+  np.testing.assert_array_equal(state['faults']['bad_streak'], [0] * 4)
+  np.testing.assert_array_equal(state['opt_state'].left_out, [0, 1, 0, 0])
+  assert all(np.isfinite(x).all() for x in leaves(state['params']))
+  assert np.isfinite(summary['final_eval_loss'])

@@ -1,0 +1,87 @@
+r"""Worker dropout on the reference LM: syncs that a worker misses.
+
+Trains the config's LM (4 workers x 2 devices) with DiLoCo and Streaming
+DiLoCo, each once with every worker at every sync and once with the
+``faults`` section's dropout: at ``--drop_fraction`` of the syncs (at least;
+drawn from the seed) one worker, drawn too, misses the sync. The absent
+worker's pseudo-gradient is left out of the mean, which is over the present
+workers, and it rejoins from the new anchor (``loc_opt.train.faults``).
+Reports the final eval loss of each run and the relative change that
+dropout causes.
+
+  python -m experiments.dropout --workdir=/tmp/dropout \
+    [--runs=diloco,diloco_drop,...] [--drop_fraction=0.25] \
+    [--config.num_steps=300]
+
+Each run lives in its own directory under --workdir and resumes from its
+checkpoints (a finished run is read back, not retrained). Writes
+``dropout.md`` and ``dropout.json`` to --workdir.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
+_FRACTION = flags.DEFINE_float('drop_fraction', 0.25,
+                               'Fraction of syncs that lose one worker.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+flags.mark_flag_as_required('workdir')
+
+# name -> (label, method, drops?)
+RUNS = {
+    'diloco': ('DiLoCo, every worker', 'diloco', False),
+    'diloco_drop': ('DiLoCo, 1 of M absent', 'diloco', True),
+    'streaming': ('Streaming DiLoCo, every worker', 'streaming_diloco',
+                  False),
+    'streaming_drop': ('Streaming DiLoCo, 1 of M absent', 'streaming_diloco',
+                       True),
+}
+
+
+def _table(results, config, fraction) -> str:
+  lines = [
+      f'Worker dropout, {config.mesh.workers} workers, H = '
+      f'{config.outer.sync_every}, {config.num_steps} steps; a drawn worker '
+      f'misses {fraction:.0%} (rounded up) of the syncs.', '',
+      '| run | syncs | workers left out | final eval loss | vs. no dropout |',
+      '|---|---:|---:|---:|---:|']
+  for name, r in results.items():
+    base = results.get(name.removesuffix('_drop'))
+    change = ''
+    if name.endswith('_drop') and base is not None:
+      rel = r['final_eval_loss'] / base['final_eval_loss'] - 1
+      change = f'{100 * rel:+.2f}%'
+    lines.append(f'| {RUNS[name][0]} | {r["syncs"]} | {r["left_out"]} | '
+                 f'{r["final_eval_loss"]:.4f} | {change} |')
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  names = _runs.chosen(_RUNS.value, RUNS)
+  config = _CONFIG.value
+  results = {}
+  for name in names:
+    label, method, drops = RUNS[name]
+    run_config = _runs.variant(
+        config, outer__method=method,
+        faults__drop_fraction=_FRACTION.value if drops else 0.0)
+    summary = _runs.run(run_config, f'{_WORKDIR.value}/{name}', label)
+    results[name] = {k: summary[k] for k in (
+        'final_eval_loss', 'final_train_loss', 'syncs', 'left_out',
+        'cross_worker_bytes', 'curve')}
+  _runs.write(_WORKDIR.value, 'dropout',
+              _table(results, config, _FRACTION.value),
+              {'config': config.to_dict(), 'drop_fraction': _FRACTION.value,
+               'runs': results})
+
+
+if __name__ == '__main__':
+  app.run(main)
