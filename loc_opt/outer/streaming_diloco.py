@@ -9,10 +9,8 @@ while the total stays that of DiLoCo. A fragment's outer update may land
 overlaps ``tau`` steps of compute); the worker blends its current local
 fragment with the new global one.
 
-In this synchronous SPMD program the all-reduce runs on the step that sends
-and its result waits in an in-flight buffer for ``tau`` steps: the numerics
-of overlap are reproduced, not its speed (real overlap needs asynchronous
-collectives or a multi-controller design).
+Here the all-reduce runs on the step that sends and its result waits in an
+in-flight buffer for ``tau`` steps: the numerics of overlap, not its speed.
 
 References:
   Douillard et al., *Streaming DiLoCo with overlapping communication: Towards a
@@ -55,8 +53,7 @@ class StreamingDilocoState(NamedTuple):
     applies: int32 ``[P]``, outer updates applied per fragment.
     codec_state: tuple of ``P`` per-fragment compressor states (error
       buffers, kept across syncs); ``()`` without a codec.
-    left_out: int32 scalar, sends this worker's fragment was left out of
-      the mean (absent, or not finite).
+    left_out: int32 scalar, sends this worker was left out of the mean.
   """
 
   inner_state: optax.OptState
@@ -320,10 +317,8 @@ class _Step:
 
   def mean_delta(self, p: int, codec_states: Any
                  ) -> tuple[list[Any], Any, jax.Array]:
-    """Fragment ``p``'s pseudo-gradient averaged over the present workers
-    whose fragment is finite (``loc_opt.outer._local.guarded_mean``), the
-    codec states with fragment ``p``'s updated, and whether this worker's
-    fragment entered the mean."""
+    """Fragment ``p``'s mean (``_local.guarded_mean``), the codec states
+    with fragment ``p``'s updated, and whether this worker entered it."""
     cfg, idx = self.cfg, self.groups[p]
     delta = _local.pseudo_gradient([self.a_leaves[i] for i in idx],
                                    [self.local(i) for i in idx])
@@ -450,10 +445,8 @@ def streaming_diloco(
   each phase compiles to its own program and inner steps move no
   cross-worker bytes.
 
-  Worker dropout and non-finite values as in :func:`loc_opt.diloco`:
-  ``update(..., present=False)`` on a send step leaves this worker's
-  fragment out of that fragment's mean (over the present workers), and a
-  non-finite fragment is left out the same way; ``left_out`` counts them.
+  ``update(..., present=False)`` on a send step, or a non-finite fragment,
+  leaves the worker out of that mean (as :func:`loc_opt.diloco`).
 
   Args:
     inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
