@@ -37,6 +37,32 @@ def _normalize(axes: AxisSpec | Sequence[AxisSpec], n: int, what: str):
   return axes
 
 
+def _one_worker(fn, axis_name, in_axes, out_axes):
+  """:func:`shard_map_workers` for a worker axis of size 1.
+
+  A collective over a size-1 manual axis reaches XLA's SPMD partitioner as
+  a cross-partition all-reduce outside manual mode, which it rejects
+  ("Cross-partition allreduce must be in (partial) manual partitioning
+  mode"), for every method that averages over workers. With one worker
+  every such collective is the identity, so ``fn`` runs under ``jax.vmap``
+  over the size-1 worker axis instead (its collectives bind the axis name
+  and reduce over one element), and GSPMD shards the model inside the
+  worker as before.
+  """
+
+  def mapped(*args):
+    ins = _normalize(in_axes, len(args), 'in_axes')
+    out = jax.vmap(fn, in_axes=ins, out_axes=0, axis_name=axis_name)(*args)
+    single = not isinstance(out, tuple)
+    outs = (out,) if single else out
+    o_axes = _normalize(out_axes, len(outs), 'out_axes')
+    outs = tuple(o if ax == 0 else jax.tree.map(lambda x: x[0], o)
+                 for o, ax in zip(outs, o_axes))
+    return outs[0] if single else outs
+
+  return mapped
+
+
 def vmap_workers(
     fn: Callable[..., Any],
     *,
@@ -92,6 +118,8 @@ def shard_map_workers(
     raise ValueError(
         f'mesh axes {mesh.axis_names} have no worker axis {axis_name!r}'
     )
+  if mesh.shape[axis_name] == 1:
+    return _one_worker(fn, axis_name, in_axes, out_axes)
   spec = {0: jax.P(axis_name), None: jax.P()}
 
   def mapped(*args):
