@@ -29,6 +29,7 @@ from loc_opt import parallel
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train.method import Method
+from loc_opt.train.method import shared_mask
 
 P = jax.P
 # Programs compiled when an experiment is built (further phases: on use).
@@ -131,11 +132,12 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
                               sharding=batch_sharding(mesh, per_worker))
 
 
-def _worker_step(model, tx, fault_cfg, per_worker):
+def _worker_step(model, tx, fault_cfg, method: Method):
   """One worker's step: gradients (with injected faults), the update, and
   the skip of a non-finite step (``loc_opt.train.faults``)."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
+  per_worker = method.per_worker
 
   def worker_step(params, opt_state, counters, batch, step, *, sync,
                   skippable):
@@ -150,7 +152,8 @@ def _worker_step(model, tx, fault_cfg, per_worker):
     new_params = optax.apply_updates(params, updates)
     if skippable:  # an inner step: skip it where it went bad
       new_params = faults.keep_if(ok, new_params, params)
-      new_state = faults.keep_if(ok, new_state, opt_state)
+      new_state = faults.keep_if(ok, new_state, opt_state,
+                                 shared_mask(method, new_state))
     return new_params, new_state, faults.advance(counters, ok), loss
 
   return worker_step
@@ -162,8 +165,7 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   abstract_batch = _abstract_batch(config, mesh, method.per_worker)
   loss_sharding = jax.NamedSharding(
       mesh, P(parallel.WORKER) if method.per_worker else P())
-  worker_step = _worker_step(model, tx, faults.settings(config),
-                             method.per_worker)
+  worker_step = _worker_step(model, tx, faults.settings(config), method)
 
   def make_step(sync):
     # Only a step that talks to no other worker can be skipped on its own.
