@@ -14,6 +14,7 @@ from loc_opt.train import experiment as exp_lib
 from loc_opt.train.method import shared_mask
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
+from tests.train.test_registry import CASES
 
 # 8 CPU devices: the worker count and the data-parallel devices inside a
 # worker change together.
@@ -22,10 +23,10 @@ MESHES = {4: {'mesh.workers': 4, 'mesh.data': 2},
 
 
 def _config(data_dir, workers, **extra):
-  # H = 4: a checkpoint at step 6 is two inner steps past the last sync, so
-  # the workers' parameters differ from the anchor and from each other.
-  return tiny_config(data_dir, **MESHES[workers], **{
-      'checkpoint_every': 6, 'eval_every': 12}, **extra)
+  # H = 4: a checkpoint at step 6 is two inner steps past DiLoCo's last
+  # sync, so the workers' parameters differ from the anchor and each other.
+  return tiny_config(data_dir, **{**MESHES[workers], 'checkpoint_every': 6,
+                                  'eval_every': 12, **extra})
 
 
 def _restore(workdir, config):
@@ -65,10 +66,13 @@ def _check_carried(old, new, method):
 
 
 @pytest.mark.slow
-def test_four_to_two_workers(data_dir, tmp_path, capfd):
-  config = _config(data_dir, 4, halt_after_steps=6)
+@pytest.mark.parametrize('method', ['diloco', 'local_sgd',
+                                    'streaming_diloco'])
+def test_four_to_two_workers(data_dir, tmp_path, capfd, method):
+  extra = {'outer.method': method, **CASES[method], 'checkpoint_every': 6}
+  config = _config(data_dir, 4, halt_after_steps=6, **extra)
   old = jax.device_get(train.train_and_evaluate(config, tmp_path)['state'])
-  new_config = _config(data_dir, 2)
+  new_config = _config(data_dir, 2, **extra)
   step, new, notes = _restore(tmp_path, new_config)
   assert step == 6
   assert notes == ['elastic resume at step 6: 4 -> 2 workers; workers 0-1 '
@@ -85,7 +89,8 @@ def test_four_to_two_workers(data_dir, tmp_path, capfd):
   summary = train.train_and_evaluate(new_config, tmp_path)
   assert 'elastic resume at step 6: 4 -> 2 workers' in capfd.readouterr().out
   assert summary['finished'] and np.isfinite(summary['final_eval_loss'])
-  assert summary['syncs'] == 3
+  assert summary['syncs'] == exp_lib.get_experiment(
+      new_config).plan.num_syncs(0, 12)
   assert all(np.isfinite(x).all() for x in leaves(summary['state']))
   # The resized run saves and resumes as a 2-worker run.
   saved = json.loads((tmp_path / 'checkpoints' / '12' / 'layout' /
@@ -102,20 +107,25 @@ def test_two_to_four_workers_new_ones_start_from_the_anchor(data_dir,
   _, new, notes = _restore(tmp_path, new_config)
   assert 'workers 0-1 continue; workers 2-3 start from the anchor' in \
       notes[0]
-  method = exp_lib.get_experiment(new_config).method
-  assert _check_carried(old, new, method) == 2
+  exp = exp_lib.get_experiment(new_config)
+  assert _check_carried(old, new, exp.method) == 2
   o = new['opt_state']
   for p, a in zip(leaves(new['params']), leaves(o.anchor)):
     for m in (2, 3):
       np.testing.assert_array_equal(p[m], a[0].astype(p.dtype))
   # A fresh inner state (zero moments) whose step counters are worker 0's,
   # so the learning-rate schedule continues at the run's step.
-  for x in leaves(o.inner_state):
-    if np.issubdtype(x.dtype, np.integer):
-      np.testing.assert_array_equal(x[2:], np.broadcast_to(x[0], x[2:].shape))
-      assert (x[0] == 6).all()
-    else:
-      assert not x[2:].any()
+  at_anchor = jax.tree.map(lambda a, p: a[0].astype(p.dtype), o.anchor,
+                           new['params'])
+  fresh = leaves(exp.tx.init(at_anchor).inner_state)
+  assert any(np.issubdtype(x.dtype, np.integer) for x in fresh)
+  for x, f in zip(leaves(o.inner_state), fresh):
+    for m in (2, 3):
+      if np.issubdtype(x.dtype, np.integer):
+        np.testing.assert_array_equal(x[m], x[0])
+        assert (x[0] == 6).all()
+      else:
+        np.testing.assert_array_equal(x[m], f)
   np.testing.assert_array_equal(new['faults']['bad_steps'][2:], [0, 0])
   summary = train.train_and_evaluate(new_config, tmp_path)
   assert summary['finished'] and np.isfinite(summary['final_eval_loss'])
