@@ -6,10 +6,11 @@ saved with ``orbax.checkpoint.CheckpointManager``, the fields every worker
 shares (anchor, outer optimizer state, counters) once
 (``loc_opt.train.layout``, which a JSON item ``layout`` describes); a JSON
 item beside it keeps the config, so a resume with an incompatible config
-fails with a clear error (each differing field as ``leaf.path: saved -> now``) instead of a shape
-mismatch deep inside Orbax. Orbax writes each checkpoint into a temporary
-directory and renames it when complete, so an interrupted save never leaves
-a half-written checkpoint that a resume would pick.
+fails with a clear error (each differing field as ``leaf.path: saved ->
+now``) instead of a shape mismatch deep inside Orbax. Orbax writes each
+checkpoint into a temporary directory and renames it when complete, so an
+interrupted save never leaves a half-written checkpoint that a resume would
+pick.
 
 On resume, the model, mesh, method, optimizer, data, batch size, seed and
 ``num_steps`` must match (:func:`resume_diffs`); run-control fields

@@ -45,7 +45,8 @@ def _check_carried(old, new, method):
   """Shared fields and scalars equal; surviving workers' leaves equal."""
   o, n = old['opt_state'], new['opt_state']
   for field in method.shared_fields:
-    for a, b in zip(leaves(getattr(o, field)), leaves(getattr(n, field))):
+    for a, b in zip(leaves(getattr(o, field)), leaves(getattr(n, field)),
+                    strict=True):
       for m in range(b.shape[0]):
         np.testing.assert_array_equal(b[m], a[0])
   for key in ('step', 'data_position', 'rng'):
@@ -54,11 +55,11 @@ def _check_carried(old, new, method):
              jax.tree.leaves(n.count)[0].shape[0])
   own = jax.tree.map(lambda s: not s, shared_mask(method, o))
   pairs = [(a, b) for a, b, s in zip(jax.tree.leaves(o), jax.tree.leaves(n),
-                                     jax.tree.leaves(own)) if s]
+                                     jax.tree.leaves(own), strict=True) if s]
   pairs += list(zip(jax.tree.leaves(old['params']),
-                    jax.tree.leaves(new['params'])))
+                    jax.tree.leaves(new['params']), strict=True))
   pairs += list(zip(jax.tree.leaves(old['faults']),
-                    jax.tree.leaves(new['faults'])))
+                    jax.tree.leaves(new['faults']), strict=True))
   for a, b in pairs:
     np.testing.assert_array_equal(np.asarray(b)[:keep],
                                   np.asarray(a)[:keep])
@@ -110,7 +111,7 @@ def test_two_to_four_workers_new_ones_start_from_the_anchor(data_dir,
   exp = exp_lib.get_experiment(new_config)
   assert _check_carried(old, new, exp.method) == 2
   o = new['opt_state']
-  for p, a in zip(leaves(new['params']), leaves(o.anchor)):
+  for p, a in zip(leaves(new['params']), leaves(o.anchor), strict=True):
     for m in (2, 3):
       np.testing.assert_array_equal(p[m], a[0].astype(p.dtype))
   # A fresh inner state (zero moments) whose step counters are worker 0's,
@@ -119,7 +120,7 @@ def test_two_to_four_workers_new_ones_start_from_the_anchor(data_dir,
                            new['params'])
   fresh = leaves(exp.tx.init(at_anchor).inner_state)
   assert any(np.issubdtype(x.dtype, np.integer) for x in fresh)
-  for x, f in zip(leaves(o.inner_state), fresh):
+  for x, f in zip(leaves(o.inner_state), fresh, strict=True):
     for m in (2, 3):
       if np.issubdtype(x.dtype, np.integer):
         np.testing.assert_array_equal(x[m], x[0])

@@ -60,16 +60,17 @@ def test_shared_fields_are_bit_identical_on_every_worker(data_dir, method):
   opt_state = state['opt_state']
   mask = shared_mask(exp.method, opt_state)
   shared = [x for x, s in zip(jax.tree.leaves(opt_state),
-                              jax.tree.leaves(mask)) if s]
+                              jax.tree.leaves(mask), strict=True) if s]
   assert shared, method
   for x in shared:
     x = np.asarray(x)
     for m in range(1, x.shape[0]):
       np.testing.assert_array_equal(x[m], x[0])
   # The workers' own state did diverge (different data), so the check bites.
-  per_worker = [np.asarray(x) for x, s in zip(jax.tree.leaves(opt_state),
-                                              jax.tree.leaves(mask))
-                if not s and np.issubdtype(np.asarray(x).dtype, np.floating)]
+  per_worker = [
+      np.asarray(x) for x, s in zip(jax.tree.leaves(opt_state),
+                                    jax.tree.leaves(mask), strict=True)
+      if not s and np.issubdtype(np.asarray(x).dtype, np.floating)]
   assert any(not np.array_equal(x[1], x[0]) for x in per_worker), method
   assert int(state['faults']['bad_steps'][1]) == 2
 
@@ -123,10 +124,11 @@ def test_checkpoint_stores_the_anchor_once_and_resumes_bit_exactly(
   train.train_and_evaluate(config, tmp_path / 'resumed')
   config.halt_after_steps = 0
   resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
-  for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
+  for a, b in zip(leaves(full['state']), leaves(resumed['state']),
+                  strict=True):
     np.testing.assert_array_equal(a, b)
   _, state = ckpt_lib.Checkpointer(
       tmp_path / 'full', every=0, read_only=True).restore(
           exp.layout, cfg_lib.config_to_json(config), 12)
-  for a, b in zip(leaves(full['state']), leaves(state)):
+  for a, b in zip(leaves(full['state']), leaves(state), strict=True):
     np.testing.assert_array_equal(a, b)
