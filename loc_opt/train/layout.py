@@ -66,21 +66,20 @@ def _abstract(x: jax.ShapeDtypeStruct, shape, sharding
 class StateLayout:
   """The checkpoint layout of one experiment's train state.
 
-  Attributes:
+  Args:
     method: the training method.
-    workers: ``mesh.workers`` of the experiment.
-    shared_fields: the fields stored once (``()`` unless per worker).
+    tx: its optimizer (for new workers' state on an elastic resume).
+    abstract_state: the train state's shapes, dtypes and shardings.
+    workers: ``mesh.workers``.
+    batch_size: the global batch (reported on an elastic resume).
+
+  Attributes:
+    shared_fields: the fields of the method's state stored once (those of
+      ``method.shared_fields``; ``()`` for a method that shares nothing).
   """
 
   def __init__(self, method: Method, tx: optax.GradientTransformation,
                abstract_state: Any, workers: int, batch_size: int):
-    """Args:
-      method: the training method.
-      tx: its optimizer (for new workers' state on an elastic resume).
-      abstract_state: the train state's shapes, dtypes and shardings.
-      workers: ``mesh.workers``.
-      batch_size: the global batch (reported on an elastic resume).
-    """
     self.method, self.tx = method, tx
     self.abstract_state = abstract_state
     self.workers, self.batch_size = workers, batch_size
