@@ -2,12 +2,15 @@
 
 The state pytree (every worker's parameters and optimizer state, the outer
 copy and outer optimizer state, the step, the RNG and the input position) is
-saved with ``orbax.checkpoint.CheckpointManager``; a JSON item beside it keeps
-the config, so a resume with an incompatible config fails with a clear error
-(each differing field as ``leaf.path: saved -> now``) instead of a shape
-mismatch deep inside Orbax. Orbax writes each checkpoint into a temporary
-directory and renames it when complete, so an interrupted save never leaves
-a half-written checkpoint that a resume would pick.
+saved with ``orbax.checkpoint.CheckpointManager``, the fields every worker
+shares (anchor, outer optimizer state, counters) once
+(``loc_opt.train.layout``, which a JSON item ``layout`` describes); a JSON
+item beside it keeps the config, so a resume with an incompatible config
+fails with a clear error (each differing field as ``leaf.path: saved ->
+now``) instead of a shape mismatch deep inside Orbax. Orbax writes each
+checkpoint into a temporary directory and renames it when complete, so an
+interrupted save never leaves a half-written checkpoint that a resume would
+pick.
 
 On resume, the model, mesh, method, optimizer, data, batch size, seed and
 ``num_steps`` must match (:func:`resume_diffs`); run-control fields
@@ -16,7 +19,9 @@ On resume, the model, mesh, method, optimizer, data, batch size, seed and
 ``wallclock``, ``data.data_dir``, ``data.eval_batch_size``) may change.
 ``num_steps`` may not: the learning-rate and sync schedules are built from
 it, so a longer or shorter resumed run would silently re-stretch them
-mid-run; to train longer, branch off the run (``init_from``).
+mid-run; to train longer, branch off the run (``init_from``). The ``mesh``
+may change for a method whose workers share an anchor (``Method.elastic``):
+an elastic resume (``loc_opt.train.elastic``).
 
 A newest checkpoint that cannot be read (a truncated or garbage file, a
 missing item, a state of another structure) is reported in one line, moved
@@ -43,6 +48,8 @@ import warnings
 import jax
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
+
+from loc_opt.train import registry
 
 # Config fields that must match for a checkpoint to be resumable (every
 # leaf under them), and the leaves under them that may change on resume.
@@ -196,19 +203,30 @@ def _stderr_line(text: str) -> None:
   print(text, file=sys.stderr, flush=True)
 
 
+def _stdout_line(text: str) -> None:
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
 class Checkpointer:
   """Saves and restores train states under ``workdir/checkpoints``.
 
+  ``layout`` (a ``loc_opt.train.layout.StateLayout``) is how saves store the
+  state (shared fields once); without it the tree is saved as it is.
   ``warn`` gets the one-line reports of unreadable checkpoints (default:
-  standard error).
+  standard error), ``report`` the line of an elastic resume (default:
+  standard output of process 0).
   """
 
   def __init__(self, workdir: str | os.PathLike, *, every: int,
                max_to_keep: int = 2, read_only: bool = False,
-               warn: Callable[[str], None] = _stderr_line):
+               layout: Any = None,
+               warn: Callable[[str], None] = _stderr_line,
+               report: Callable[[str], None] = _stdout_line):
     self.dir = pathlib.Path(workdir).absolute() / 'checkpoints'
     self.every = every
-    self.warn = warn
+    self.layout = layout
+    self.warn, self.report = warn, report
     if read_only and not self.dir.is_dir():
       raise CheckpointError(f'no checkpoints in {self.dir}')
     # Read-only: nothing is created, and nothing is ever deleted since
@@ -235,20 +253,18 @@ class Checkpointer:
       raise CheckpointError(f'{self.dir} was opened read-only')
     if step in self.manager.all_steps():
       return
-    self.manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            config=ocp.args.JsonSave(json.loads(config_json)),
-        ),
-        force=True,
-    )
+    items = {'config': ocp.args.JsonSave(json.loads(config_json))}
+    if self.layout is not None:
+      state = self.layout.to_saved(state)
+      items['layout'] = ocp.args.JsonSave(self.layout.info)
+    items['state'] = ocp.args.StandardSave(state)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, abstract_state: Any, config_json: str,
-              step: int | None = None, *,
-              compare: Callable[[dict, dict], list[str]] | None = None,
-              ) -> tuple[int, Any]:
+  def restore(self, target: Any, config_json: str,
+               step: int | None = None, *,
+               compare: Callable[[dict, dict], list[str]] | None = None,
+               ) -> tuple[int, Any]:
     """Restores ``step`` (default: the newest readable one).
 
     Without ``step``, a checkpoint that cannot be read (a truncated or
@@ -258,7 +274,10 @@ class Checkpointer:
     ``workdir/unreadable_checkpoints``, so that new saves replace it.
 
     Args:
-      abstract_state: ``jax.ShapeDtypeStruct`` leaves with shardings.
+      target: the run's ``loc_opt.train.layout.StateLayout`` (a checkpoint
+        of shared fields stored once, or of another worker count: an
+        elastic resume), or a tree of ``jax.ShapeDtypeStruct`` leaves with
+        shardings, restored as it is.
       config_json: the current config, compared with the saved one.
       step: which checkpoint; the newest readable one by default.
       compare: ``(saved, current) -> differences`` that forbid the restore
@@ -277,15 +296,14 @@ class Checkpointer:
       if step not in self.manager.all_steps():
         raise CheckpointError(f'no checkpoint at step {step} in {self.dir}; '
                               f'saved steps: {self.all_steps()}')
-      return step, self._restore_step(abstract_state, config_json, step,
-                                      compare)
+      return step, self._restore_step(target, config_json, step, compare)
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
       raise CheckpointError(f'no checkpoint in {self.dir}')
     unreadable = []
     for s in steps:
       try:
-        state = self._restore_step(abstract_state, config_json, s, compare)
+        state = self._restore_step(target, config_json, s, compare)
       except _Unreadable as e:
         unreadable.append(e)
         continue
@@ -300,7 +318,7 @@ class Checkpointer:
         + '; '.join(str(e) for e in unreadable)
         + '. Move them aside to start afresh, or use a new workdir')
 
-  def _restore_step(self, abstract_state, config_json, step, compare):
+  def _restore_step(self, target, config_json, step, compare):
     """The state at ``step``; ``_Unreadable`` if it cannot be read."""
     where = self.dir / str(step)
     try:
@@ -316,13 +334,38 @@ class Checkpointer:
           f'checkpoint {where} was written with a different config: '
           f'{"; ".join(diffs)}. Use a new --workdir, or restore the original '
           'config.')
+    layout = target if hasattr(target, 'abstract_saved') else None
     try:
-      restored = self.manager.restore(
-          step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state)))
+      info = self._layout_info(step) if layout is not None else None
     except Exception as e:  # pylint: disable=broad-except
       raise _Unreadable(step, where, e) from e
-    return restored['state']
+    workers = _get(saved_config, 'mesh.workers')
+    if layout is not None and info is None and workers != layout.workers:
+      raise CheckpointError(
+          f'checkpoint {where} stores the whole state of each worker (it '
+          'predates the layout that stores shared fields once), so it can '
+          f'only resume with its own mesh.workers={workers}')
+    try:
+      abstract = target if layout is None else layout.abstract_saved(info)
+      restored = self.manager.restore(
+          step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract)))
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Unreadable(step, where, e) from e
+    if layout is None:
+      return restored['state']
+    state, note = layout.from_saved(restored['state'], info, step)
+    if note:
+      self.report(note)
+    return state
+
+  def _layout_info(self, step: int) -> dict[str, Any] | None:
+    """The ``layout`` item of checkpoint ``step`` (None: it has none, the
+    state was saved whole)."""
+    if not (self.dir / str(step) / 'layout').exists():
+      return None
+    return self.manager.restore(
+        step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))['layout']
 
   def _set_aside(self, step: int) -> pathlib.Path | None:
     """Moves checkpoint ``step`` out of the way of new saves to
@@ -352,17 +395,43 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
       tree, shardings)
 
 
+def _mesh_reason(method_name: str) -> str:
+  """Why ``method_name`` cannot resume on another mesh."""
+  method = registry.METHODS.get(method_name)
+  if method is not None and not method.per_worker:
+    return (f'outer.method={method_name!r} keeps one replicated copy of the '
+            'state and does not support an elastic resume')
+  return (f'outer.method={method_name!r} has no anchor shared by all '
+          'workers to start new workers from (Method.elastic), so it cannot '
+          'resume with another mesh; elastic: '
+          f'{", ".join(n for n, m in registry.METHODS.items() if m.elastic)}')
+
+
 def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   """The differences that forbid resuming a run saved with ``saved``.
 
   ``num_steps`` is among them: the learning-rate (and sync) schedules are
   built from it, so a resume with another value would silently re-stretch
   them mid-run. To train longer, branch off the run with ``init_from``.
+
+  The ``mesh`` fields (``mesh.workers``, and the axes inside a worker) may
+  differ when the method's workers share an anchor (``Method.elastic``): an
+  elastic resume (``loc_opt.train.elastic``); for the other methods the
+  difference says why not.
   """
-  diffs = config_diffs(saved, current, _MUST_MATCH, _RESUME_MAY_DIFFER)
-  return [d + (' (the schedules are built for num_steps; to train longer, '
-               'start a new workdir with init_from)'
-               if d.startswith('num_steps:') else '') for d in diffs]
+  method = _get(current, 'outer.method')
+  elastic = getattr(registry.METHODS.get(method), 'elastic', False)
+  may_differ = _RESUME_MAY_DIFFER + (('mesh',) if elastic else ())
+  diffs = config_diffs(saved, current, _MUST_MATCH, may_differ)
+  out = []
+  for d in diffs:
+    if d.startswith('num_steps:'):
+      d += (' (the schedules are built for num_steps; to train longer, '
+            'start a new workdir with init_from)')
+    elif d.startswith('mesh.'):
+      d += f' ({_mesh_reason(method)})'
+    out.append(d)
+  return out
 
 
 def check_resume(workdir: str | os.PathLike, config_json: str) -> None:
@@ -442,7 +511,7 @@ def check_branch(from_workdir: str | os.PathLike, step: int,
 
 
 def restore_branch(from_workdir: str | os.PathLike, step: int,
-                   abstract_state: Any, config_json: str) -> tuple[int, Any]:
+                   target: Any, config_json: str) -> tuple[int, Any]:
   """Restores another run's state at ``step`` to start a branch from it.
 
   Everything is restored: parameters, optimizer state (with its count, so
@@ -452,7 +521,8 @@ def restore_branch(from_workdir: str | os.PathLike, step: int,
   Args:
     from_workdir: the main run's workdir.
     step: the checkpoint step to branch from.
-    abstract_state: the branch's state layout (must equal the main run's).
+    target: the branch's ``StateLayout`` (the state must have the main
+      run's layout), or its abstract state (see ``Checkpointer.restore``).
     config_json: the branch's config.
 
   Returns:
@@ -467,7 +537,7 @@ def restore_branch(from_workdir: str | os.PathLike, step: int,
   check_branch(from_workdir, step, config_json)
   ckpt = _open_branch_source(from_workdir, step)
   try:
-    return ckpt.restore(abstract_state, config_json, step,
+    return ckpt.restore(target, config_json, step,
                         compare=_branch_diffs)
   finally:
     ckpt.close()

@@ -28,6 +28,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
+from loc_opt.train import layout as layout_lib
 from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
@@ -233,6 +234,13 @@ class Experiment:
                              tx=self.tx, method=self.method,
                              workers=self.config.mesh.workers)
     return jax.jit(init, out_shardings=self.shardings)
+
+  @functools.cached_property
+  def layout(self) -> layout_lib.StateLayout:
+    """How checkpoints store the train state (shared fields once)."""
+    return layout_lib.StateLayout(self.method, self.tx, self.abstract_state,
+                                  self.config.mesh.workers,
+                                  self.config.batch_size)
 
   def init_state(self) -> dict[str, Any]:
     """The initial train state: one model initialisation on every worker."""

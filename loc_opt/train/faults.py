@@ -2,12 +2,14 @@
 
 A worker whose loss or gradients are NaN / Inf on an inner step (the plan's
 inner phase, which talks to no other worker) skips that step: its parameters
-and optimizer state stay as they were. On any other step (a sync, a
-fragment's send or apply, compressed data parallel's every step) the worker
-cannot skip on its own, so its non-finite gradients are replaced by zeros
-for that step's inner update and it takes part with finite values. Under
-data parallelism the whole step is skipped. Every bad step is counted in the
-train state (``state['faults']``: ``bad_steps``, the total per worker, and
+and its own optimizer state stay as they were, while the fields of the
+method's state that every worker shares (``Method.shared_fields``: counters,
+an unchanged anchor) advance as on the other workers. On any other step (a
+sync, a fragment's send or apply, compressed data parallel's every step) the
+worker cannot skip on its own, so its non-finite gradients are replaced by
+zeros for that step's inner update and it takes part with finite values.
+Under data parallelism the whole step is skipped. Every bad step is counted
+in the train state (``state['faults']``: ``bad_steps``, the total per worker, and
 ``bad_streak``, the current run of consecutive bad steps) and reported in
 the metrics (``faults/bad_steps``).
 
@@ -176,9 +178,23 @@ def _keep(ok: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   return jnp.where(ok, new, old)
 
 
-def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
-  """The tree ``new`` where ``ok``, else ``old`` (a skipped step)."""
-  return jax.tree.map(lambda n, o: _keep(ok, n, o), new, old)
+def keep_if(ok: jax.Array, new: Any, old: Any, take_new: Any = None) -> Any:
+  """The tree ``new`` where ``ok``, else ``old`` (a skipped step).
+
+  Args:
+    ok: bool scalar, whether the step was finite.
+    new: the tree after the step.
+    old: the tree before it.
+    take_new: optional tree of Python bools like ``new``: leaves marked
+      True are taken from ``new`` whatever ``ok`` (the shared fields of a
+      method's state, ``loc_opt.train.method.shared_mask``: on an inner step
+      they advance the same way on every worker, so a skipping worker keeps
+      its counters level with the others').
+  """
+  if take_new is None:
+    return jax.tree.map(lambda n, o: _keep(ok, n, o), new, old)
+  return jax.tree.map(lambda n, o, t: n if t else _keep(ok, n, o), new, old,
+                      take_new)
 
 
 def zero_if_not(ok: jax.Array, grads: Any) -> Any:

@@ -174,7 +174,7 @@ def merge_and_evaluate(
           'window)')
     acc, last = None, None
     for step, weight in zip(steps, c):
-      _, state = ckpt.restore(exp.abstract_state, config_json, step)
+      _, state = ckpt.restore(exp.layout, config_json, step)
       last = exp.eval_params(state)
       acc = schedules.accumulate_params(acc, last, weight)
       del state

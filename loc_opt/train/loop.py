@@ -78,7 +78,7 @@ def _start(exp, ckpt, config, config_json, branch, progress):
   """``(step, state)`` to start from: this run's checkpoint, else a branch
   of another run, else the initialisation."""
   if ckpt.latest_step() is not None:
-    start, state = ckpt.restore(exp.abstract_state, config_json)
+    start, state = ckpt.restore(exp.layout, config_json)
     progress.message(f'resumed from checkpoint at step {start} in {ckpt.dir}')
     return start, state
   if branch is not None:
@@ -263,11 +263,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   # A branch reads the other run's state before anything is written here,
   # so a bad branch leaves no trace.
   branch = (ckpt_lib.restore_branch(init_from.workdir, init_from.step,
-                                    exp.abstract_state, config_json)
+                                    exp.layout, config_json)
             if branching else None)
   workdir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
-                               max_to_keep=config.keep_checkpoints)
+                               max_to_keep=config.keep_checkpoints,
+                               layout=exp.layout)
   start, state = _start(exp, ckpt, config, config_json, branch, progress)
   # The sync counters live in the optimizer state (or the plan), so a
   # resumed or branched run continues them exactly; the input position is

@@ -61,6 +61,16 @@ class Method:
     library_kwargs: ``config -> {library function: keyword arguments}``, the
       arguments the builder passes from the method's section; a test checks
       that the config file's values equal the functions' defaults.
+    shared_fields: the fields of the method's optimizer state (the
+      NamedTuple its ``init`` returns) that are bit-identical on every worker
+      after every step (anchor, outer optimizer state, counters): a skipped
+      non-finite step still advances them (``loc_opt.train.faults``), and a
+      checkpoint stores them once (``loc_opt.train.layout``).
+      ``tests/train/test_layout.py`` checks each method's set.
+    elastic: whether a run may resume from its checkpoint with another
+      ``mesh.workers`` (``loc_opt.train.elastic``): the shared fields carry
+      over and new workers start from the shared ``anchor``, which must be
+      one of them.
   """
 
   per_worker: bool
@@ -77,6 +87,57 @@ class Method:
   section: str | None = None
   library_kwargs: Callable[[Config], Mapping[Callable[..., Any],
                                              dict[str, Any]]] | None = None
+  shared_fields: tuple[str, ...] = ()
+  elastic: bool = False
+
+  def __post_init__(self):
+    if self.shared_fields and not self.per_worker:
+      raise ValueError('shared_fields need a per-worker method')
+    if self.elastic and 'anchor' not in self.shared_fields:
+      raise ValueError("an elastic method needs 'anchor' in shared_fields "
+                       '(new workers start from it)')
+
+
+def state_fields(method: Method, opt_state: Any) -> tuple[str, ...]:
+  """The top-level fields of ``opt_state``, the NamedTuple the method's
+  ``init`` returns; checks that ``method.shared_fields`` are among them."""
+  fields = getattr(type(opt_state), '_fields', None)
+  if fields is None:
+    if method.shared_fields:
+      raise ValueError(
+          f'shared_fields {method.shared_fields} need a NamedTuple optimizer '
+          f'state, got {type(opt_state).__name__}')
+    return ()
+  missing = sorted(set(method.shared_fields) - set(fields))
+  if missing:
+    raise ValueError(f'shared_fields {missing} are not fields of '
+                     f'{type(opt_state).__name__} {fields}')
+  return tuple(fields)
+
+
+def shared_mask(method: Method, opt_state: Any) -> Any:
+  """A tree of bools like ``opt_state``: whether each leaf is shared.
+
+  A leaf is shared when the first key of its path, an attribute of the
+  method's state NamedTuple, is one of ``method.shared_fields``. Works on
+  one worker's state, the stacked per-worker state or abstract shapes.
+
+  Args:
+    method: the training method.
+    opt_state: its optimizer state (arrays, tracers or shapes).
+
+  Returns:
+    ``opt_state``'s structure with a Python bool at every leaf.
+  """
+  state_fields(method, opt_state)
+  shared = set(method.shared_fields)
+
+  def leaf(path, _):
+    head = path[0] if path else None
+    return (isinstance(head, jax.tree_util.GetAttrKey)
+            and head.name in shared)
+
+  return jax.tree_util.tree_map_with_path(leaf, opt_state)
 
 
 def _is_schedule_free_state(x) -> bool:

@@ -29,6 +29,7 @@ from loc_opt import parallel
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train.method import Method
+from loc_opt.train.method import shared_mask
 
 P = jax.P
 # Programs compiled when an experiment is built (further phases: on use).
@@ -131,7 +132,8 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
                               sharding=batch_sharding(mesh, per_worker))
 
 
-def _worker_step(model, tx, fault_cfg, per_worker, absent=None, reset=None):
+def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
+                 reset=None):
   """One worker's step: gradients (with injected faults), the update, and
   the skip of a non-finite step (``loc_opt.train.faults``). With ``absent``
   (``faults.absences``), a step that syncs tells the method whether this
@@ -141,6 +143,7 @@ def _worker_step(model, tx, fault_cfg, per_worker, absent=None, reset=None):
   out; an update cannot move a NaN) restarts from the anchor."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
+  per_worker = method.per_worker
 
   def worker_step(params, opt_state, counters, batch, step, *, sync,
                   skippable):
@@ -162,7 +165,8 @@ def _worker_step(model, tx, fault_cfg, per_worker, absent=None, reset=None):
     new_params = optax.apply_updates(params, updates)
     if skippable:  # an inner step: skip it where it went bad
       new_params = faults.keep_if(ok, new_params, params)
-      new_state = faults.keep_if(ok, new_state, opt_state)
+      new_state = faults.keep_if(ok, new_state, opt_state,
+                                 shared_mask(method, new_state))
     elif reset is not None:
       new_params = faults.keep_if(faults.all_finite(new_params), new_params,
                                   reset(new_state, new_params))
@@ -183,8 +187,8 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   # Methods that leave a non-finite worker out of a sync share an anchor
   # (their evaluation weights) to reset it to.
   reset = method.eval_params if method.left_out is not None else None
-  worker_step = _worker_step(model, tx, faults.settings(config),
-                             method.per_worker, absent, reset)
+  worker_step = _worker_step(model, tx, faults.settings(config), method,
+                             absent, reset)
 
   def make_step(sync):
     # Only a step that talks to no other worker can be skipped on its own.

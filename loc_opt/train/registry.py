@@ -306,6 +306,15 @@ def _build_co2(config, inner, axis_name):
       axis_name=axis_name, **_kwargs('co2', outer_lib.co2, config))
 
 
+# The optimizer-state fields that are bit-identical on every worker
+# (Method.shared_fields; tests/train/test_layout.py checks each set).
+_COUNTERS = ('count', 'steps_since_sync', 'num_syncs')
+_DILOCO_SHARED = ('anchor', 'outer_state') + _COUNTERS
+# DES-LOC's inner state is averaged field by field on its own periods, so
+# it is shared only right after those syncs: per worker.
+_DESLOC_SHARED = ('anchor', 'outer_state', 'count', 'num_syncs')
+
+
 def _fixed_plan(plan_fn):
   """A plan from ``plan_fn(H)`` (the methods that sync every H steps)."""
   return lambda config: plan_fn(_h(config))
@@ -326,11 +335,13 @@ METHODS: Mapping[str, Method] = {
     'diloco': Method(
         per_worker=True, build=_build_diloco, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
-        follows_sync_schedule=True, left_out=_left_out),
+        follows_sync_schedule=True, shared_fields=_DILOCO_SHARED,
+        elastic=True, left_out=_left_out),
     'local_sgd': Method(
         per_worker=True, build=_build_local_sgd, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
-        follows_sync_schedule=True, left_out=_left_out),
+        follows_sync_schedule=True, shared_fields=_DILOCO_SHARED,
+        elastic=True, left_out=_left_out),
     # Data parallel where each worker computes its own gradient and only the
     # compressed payloads (outer.codec) cross workers, every step.
     'compressed_data_parallel': Method(
@@ -341,7 +352,10 @@ METHODS: Mapping[str, Method] = {
         per_worker=True, build=_build_streaming, plan=_streaming_plan,
         eval_params=outer_lib.streaming_eval_params,
         overlap_steps=_streaming_overlap, section='streaming_diloco',
-        library_kwargs=_streaming_kwargs, left_out=_left_out),
+        library_kwargs=_streaming_kwargs,
+        shared_fields=('anchor', 'outer_state', 'in_flight', 'count', 'sends',
+                       'applies'),
+        elastic=True, left_out=_left_out),
     'eager_diloco': Method(
         per_worker=True, build=_build_eager,
         plan=_fixed_plan(outer_lib.eager_plan),
@@ -349,12 +363,16 @@ METHODS: Mapping[str, Method] = {
         # the average of a round may arrive any time in the next round
         overlap_steps=_h, section='eager_diloco',
         library_kwargs=_section_kwargs(outer_lib.eager_diloco,
-                                       'eager_diloco', ('naive',))),
+                                       'eager_diloco', ('naive',)),
+        # each worker keeps its own anchor and outer state
+        shared_fields=('prev_mean',) + _COUNTERS),
     'noloco': Method(
         per_worker=True, build=_build_noloco, plan=_noloco_plan,
         eval_params=outer_lib.noloco_eval_params, section='noloco',
         library_kwargs=_section_kwargs(outer_lib.noloco, 'noloco', (
-            'momentum', 'consensus') + _NOLOCO_GROUPS)),
+            'momentum', 'consensus') + _NOLOCO_GROUPS),
+        # each worker keeps its own anchor and momentum
+        shared_fields=_COUNTERS),
     'demo': Method(
         per_worker=True, build=_build_demo,
         plan=lambda config: outer_lib.demo_plan(),
@@ -365,32 +383,42 @@ METHODS: Mapping[str, Method] = {
         per_worker=True, build=_build_sparseloco,
         plan=_fixed_plan(outer_lib.sparseloco_plan),
         eval_params=outer_lib.sparseloco_eval_params, section='sparseloco',
-        library_kwargs=_sparseloco_kwargs),
+        library_kwargs=_sparseloco_kwargs,
+        shared_fields=('anchor',) + _COUNTERS),
     'desloc': Method(
         per_worker=True, build=_build_desloc, plan=_desloc_plan,
-        eval_params=outer_lib.desloc_eval_params, section='desloc'),
+        eval_params=outer_lib.desloc_eval_params, section='desloc',
+        shared_fields=_DESLOC_SHARED),
     'mt_dao': Method(
         per_worker=True,
         build=lambda *args: _build_desloc(*args, mt=True),
         plan=lambda config: _desloc_plan(config, mt=True),
-        eval_params=outer_lib.desloc_eval_params, section='desloc'),
+        eval_params=outer_lib.desloc_eval_params, section='desloc',
+        shared_fields=_DESLOC_SHARED),
     'edit_diloco': Method(
         per_worker=True, build=_build_edit,
         plan=_fixed_plan(outer_lib.edit_plan),
         eval_params=outer_lib.edit_eval_params, section='edit_diloco',
         library_kwargs=_section_kwargs(outer_lib.edit_diloco, 'edit_diloco', (
             'ewma', 'warmup_syncs', 'z_threshold', 'temperature',
-            'clip_norm'))),
+            'clip_norm')),
+        # the norm statistics and the weight are each worker's own
+        shared_fields=_DILOCO_SHARED + ('num_dropped', 'total_dropped')),
     'co2': Method(
         per_worker=True, build=_build_co2,
         plan=_fixed_plan(outer_lib.co2_plan),
         eval_params=outer_lib.co2_eval_params,
         # the stale average may arrive any time in the next round
-        overlap_steps=_h, section='co2', library_kwargs=_co2_kwargs),
+        overlap_steps=_h, section='co2', library_kwargs=_co2_kwargs,
+        shared_fields=('anchor', 'outer_momentum', 'stale_mean') + _COUNTERS),
     'async_local_sgd': Method(
         per_worker=True, build=_build_async, plan=_async_plan,
         eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,
-        section='async_local_sgd', library_kwargs=_async_kwargs),
+        section='async_local_sgd', library_kwargs=_async_kwargs,
+        # every worker replays every push; start_params and version are its
+        # own
+        shared_fields=('server_params', 'server_state', 'count', 'progress',
+                       'round_steps', 'num_pushes')),
 }
 
 

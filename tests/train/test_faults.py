@@ -10,6 +10,8 @@ from loc_opt import train
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import faults
+from loc_opt.train import registry
+from loc_opt.train.method import shared_mask
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
 
@@ -29,10 +31,14 @@ def test_a_non_finite_inner_step_is_skipped_on_its_worker_only(data_dir):
   config = tiny_config(data_dir, **{'faults.nan_grad_steps': (0,),
                                     'faults.nan_grad_workers': (1,)})
   before, after = _one_step(config)
-  for old, new in zip(jax.tree.leaves((before['params'],
-                                       before['opt_state'])),
-                      jax.tree.leaves((after['params'], after['opt_state']))):
-    old, new = np.asarray(old), np.asarray(new)
+  own = jax.tree.map(lambda s: not s, shared_mask(
+      registry.METHODS['diloco'], before['opt_state']))
+  kept = [x for x, o in zip(jax.tree.leaves(before['opt_state']),
+                            jax.tree.leaves(own)) if o]
+  stepped = [x for x, o in zip(jax.tree.leaves(after['opt_state']),
+                               jax.tree.leaves(own)) if o]
+  for old, new in zip(leaves(before['params']) + leaves(kept),
+                      leaves(after['params']) + leaves(stepped)):
     np.testing.assert_array_equal(new[1], old[1])  # skipped, bit for bit
   # The other workers stepped (their Adam moments moved; the learning rate
   # of step 0 is 0 under the warmup, so their parameters did not).
@@ -43,6 +49,23 @@ def test_a_non_finite_inner_step_is_skipped_on_its_worker_only(data_dir):
   np.testing.assert_array_equal(after['faults']['bad_steps'], [0, 1, 0, 0])
   np.testing.assert_array_equal(after['faults']['bad_streak'], [0, 1, 0, 0])
   assert all(np.isfinite(x).all() for x in leaves(after['params']))
+
+
+def test_a_skipped_step_keeps_the_shared_fields_level(data_dir):
+  # DiLoCo: worker 1 skips step 0; its counters advance with the others'
+  # while its parameters and inner optimizer state stay.
+  config = tiny_config(data_dir, **{'faults.nan_grad_steps': (0,),
+                                    'faults.nan_grad_workers': (1,)})
+  before, after = _one_step(config)
+  old, new = before['opt_state'], after['opt_state']
+  for field in registry.METHODS['diloco'].shared_fields:
+    for x in leaves(getattr(new, field)):
+      for m in range(1, x.shape[0]):
+        np.testing.assert_array_equal(x[m], x[0])
+  np.testing.assert_array_equal(new.count, [1, 1, 1, 1])
+  np.testing.assert_array_equal(new.steps_since_sync, [1, 1, 1, 1])
+  for a, b in zip(leaves(old.inner_state), leaves(new.inner_state)):
+    np.testing.assert_array_equal(b[1], a[1])
 
 
 def test_data_parallel_skips_the_whole_step(data_dir):
@@ -81,7 +104,7 @@ def test_consecutive_bad_steps_stop_the_run_with_finite_checkpoints(
   # 8, before saving it; the last checkpoint is the one of step 6.
   assert step == 6
   exp = exp_lib.get_experiment(config)
-  _, state = ckpt.restore(exp.abstract_state,
+  _, state = ckpt.restore(exp.layout,
                           train.config.config_to_json(config))
   ckpt.close()
   assert all(np.isfinite(x).all() for x in leaves(state['params']))

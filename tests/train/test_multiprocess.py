@@ -18,10 +18,10 @@ import sys
 import time
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
@@ -91,12 +91,12 @@ def _final_state(workdir, config):
   exp = exp_lib.get_experiment(config)
   ckpt = ckpt_lib.Checkpointer(workdir, every=0, read_only=True)
   try:
-    restored = ckpt.manager.restore(
-        config.num_steps, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(exp.abstract_state)))
+    _, restored = ckpt.restore(exp.layout, cfg_lib.config_to_json(config),
+                               config.num_steps,
+                               compare=lambda saved, current: [])
   finally:
     ckpt.close()
-  return leaves(restored['state'])
+  return leaves(restored)
 
 
 def _records(workdir):
