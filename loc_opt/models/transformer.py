@@ -11,32 +11,39 @@ The architecture is a small pre-norm GPT with current defaults:
 * a final RMSNorm and an untied output head (its own ``[d_model, vocab]``
   kernel), so the embedding and the head can be sharded independently.
 
-Every parameter is annotated with ``nnx.with_partitioning`` over the
-within-worker mesh axes ``'fsdp'`` and ``'tensor'`` (Megatron layout: the
-first matmul of a pair is split over its output, the second over its input):
+Every parameter and the activations at block boundaries are annotated with
+*logical* axis names (``loc_opt.models.sharding``), which the config's
+``axis_rules`` map to the within-worker mesh axes. With the default rules the
+parameters are FSDP-sharded over ``'fsdp'`` and Megatron-sharded over
+``'tensor'`` (the first matmul of a pair is split over its output, the second
+over its input):
 
-====================  ==================  ======================
-parameter             shape               sharding
-====================  ==================  ======================
-embed/embedding       [vocab, d_model]    (None, 'fsdp')
-attn/{query,key,      [d_model, d_model]  ('fsdp', 'tensor')
+====================  ==================  ==================  ================
+parameter             shape               logical axes        default sharding
+====================  ==================  ==================  ================
+embed/embedding       [vocab, d_model]    (vocab, embed)      (tensor, fsdp)
+attn/{query,key,      [d_model, d_model]  (embed, heads)      (fsdp, tensor)
 value}/kernel
-attn/out/kernel       [d_model, d_model]  ('tensor', 'fsdp')
-mlp/up/kernel         [d_model, d_ff]     ('fsdp', 'tensor')
-mlp/down/kernel       [d_ff, d_model]     ('tensor', 'fsdp')
-*_norm/scale          [d_model]           (None,)
-head/kernel           [d_model, vocab]    ('fsdp', 'tensor')
-====================  ==================  ======================
+attn/out/kernel       [d_model, d_model]  (heads, embed)      (tensor, fsdp)
+mlp/up/kernel         [d_model, d_ff]     (embed, mlp)        (fsdp, tensor)
+mlp/down/kernel       [d_ff, d_model]     (mlp, embed)        (tensor, fsdp)
+*_norm/scale          [d_model]           (None,)             replicated
+head/kernel           [d_model, vocab]    (embed, vocab)      (fsdp, tensor)
+====================  ==================  ==================  ================
 
-The embedding table is not split over the vocabulary: with the table sharded
-``('tensor', 'fsdp')`` the XLA SPMD partitioner (jaxlib 0.12, CPU) aborts on
-the token gather inside a ``shard_map`` manual over ``worker`` ("Check failed:
-partition_group_list.num_replica_groups() ..."). The vocabulary is small
-(bytes), so splitting only the feature dimension costs nothing.
-
-Activations carry no sharding constraints; GSPMD propagates shardings from the
-parameters, so the same code runs with no mesh, on a mesh, and inside a
-``jax.shard_map`` that is manual over the ``worker`` axis only.
+Activations are constrained (``jax.lax.with_sharding_constraint``) at block
+boundaries: the residual stream ``(batch, length, embed)`` is split over the
+batch axes (``data``, ``fsdp``; ``worker`` too under plain ``jit``) and
+whole in ``d_model``; the attention heads and the MLP hidden units over
+``tensor``; the logits over ``tensor`` in the vocabulary, which the
+vocabulary-parallel loss (``loc_opt.models.core.cross_entropy``) reads
+without a gather. The token embedding is a one-hot matmul, so a vocabulary
+split over ``tensor`` partitions as a matmul (partial sums all-reduced over
+``tensor``, Megatron's vocabulary-parallel embedding) instead of a gather,
+which XLA's SPMD partitioner (jaxlib 0.12) cannot split. Without a mesh in
+context (one device, ``jax.vmap`` runners) the constraints are no-ops, so
+the same code runs everywhere; inside a ``jax.shard_map`` manual over
+``worker`` they use the remaining axes.
 
 References:
   Vaswani et al., Attention Is All You Need, 2017.
@@ -44,6 +51,8 @@ References:
   Su et al., RoFormer: Enhanced Transformer with Rotary Position Embedding,
   2021.
   Zhang and Sennrich, Root Mean Square Layer Normalization, 2019.
+  Shoeybi et al., Megatron-LM: Training Multi-Billion Parameter Language
+  Models Using Model Parallelism, 2019.
 """
 
 import dataclasses
@@ -55,9 +64,12 @@ import jax
 import jax.numpy as jnp
 
 from loc_opt.models import core
+from loc_opt.models import sharding
 
-FSDP, TENSOR = core.FSDP, core.TENSOR
 _init = nnx.initializers
+# Implementations of attention: the explicit einsum formula, or
+# jax.nn.dot_product_attention with its `implementation` argument.
+ATTENTION = {'einsum': None, 'auto': None, 'xla': 'xla', 'cudnn': 'cudnn'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +85,21 @@ class TransformerConfig:
     max_len: longest sequence ``apply`` accepts.
     dtype: dtype of activations and matmuls (``'float32'``, ``'bfloat16'``
       or a ``jnp`` dtype). Softmax, norms' statistics and logits are float32.
-    param_dtype: dtype in which parameters are stored.
+    param_dtype: dtype in which parameters are stored. Mixed precision, the
+      usual setting at scale, is ``dtype='bfloat16'`` with
+      ``param_dtype='float32'``: matmuls take bfloat16 operands and
+      accumulate in float32 (attention scores, softmax, norms' statistics
+      and the loss are float32), while parameters, gradients and optimizer
+      state stay float32.
+    attention: ``'einsum'`` (default; the explicit formula with float32
+      scores, bit-identical to earlier releases), or through
+      ``jax.nn.dot_product_attention`` with ``implementation`` ``None``
+      (``'auto'``: JAX picks, e.g. cuDNN's fused kernel on GPU where it
+      applies), ``'xla'`` or ``'cudnn'`` (GPU only). Numerically equal up to
+      rounding.
+    axis_rules: logical axis name -> mesh axes (a mapping or pairs; ``None``
+      for :data:`loc_opt.models.sharding.DEFAULT_RULES`), for parameters and
+      activations alike.
   """
 
   vocab_size: int = 256
@@ -84,6 +110,8 @@ class TransformerConfig:
   max_len: int = 256
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention: str = 'einsum'
+  axis_rules: Any = None
 
   def __post_init__(self):
     core.check_positive(
@@ -103,6 +131,18 @@ class TransformerConfig:
     for field in ('dtype', 'param_dtype'):
       dtype = core.as_dtype(getattr(self, field), f'model.{field}')
       object.__setattr__(self, field, dtype)
+    if self.attention not in ATTENTION:
+      raise ValueError(f'model.attention must be one of {sorted(ATTENTION)}, '
+                       f'got {self.attention!r}')
+    try:
+      rules = sharding.normalize_rules(self.axis_rules)
+    except ValueError as e:
+      raise ValueError(f'model.axis_rules: {e}') from e
+    object.__setattr__(self, 'axis_rules', rules)
+
+  def constrain(self, x: jax.Array, *logical: str | None) -> jax.Array:
+    """Constrains activation ``x`` to the logical axes (see ``sharding``)."""
+    return sharding.constrain(x, logical, self.axis_rules)
 
   @property
   def head_dim(self) -> int:
@@ -113,7 +153,7 @@ def _linear(
     config: TransformerConfig,
     in_features: int,
     out_features: int,
-    sharding: tuple[str | None, ...],
+    logical: tuple[str | None, ...],
     init: jax.nn.initializers.Initializer,
     rngs: nnx.Rngs,
 ) -> nnx.Linear:
@@ -123,7 +163,7 @@ def _linear(
       use_bias=False,
       dtype=config.dtype,
       param_dtype=config.param_dtype,
-      kernel_init=nnx.with_partitioning(init, sharding),
+      kernel_init=nnx.with_partitioning(init, logical),
       rngs=rngs,
   )
 
@@ -156,36 +196,58 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str):
+  """Causal attention of ``[B, T, H, Dh]`` queries, keys and values.
+
+  ``'einsum'`` is the explicit formula: float32 scores
+  ``q k^T / sqrt(Dh)``, causal mask, float32 softmax, probabilities cast to
+  ``v``'s dtype. The others call ``jax.nn.dot_product_attention``
+  (``is_causal=True``), whose XLA path computes the same in the same
+  precisions (it multiplies by ``1 / sqrt(Dh)`` instead of dividing, so the
+  two differ in the last bits) and whose cuDNN path never stores the
+  ``[T, T]`` scores.
+  """
+  if attention != 'einsum':
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=ATTENTION[attention])
+  t, head_dim = q.shape[1], q.shape[-1]
+  scores = jnp.einsum(
+      'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
+  ) / math.sqrt(head_dim)
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+
+
 class Attention(nnx.Module):
   """Causal multi-head self-attention with rotary position embeddings."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-    self.num_heads = config.num_heads
-    self.head_dim = config.head_dim
+    self.config = config
     d, fan_in = config.d_model, _init.lecun_normal()
     # Residual projections are scaled down by 1/sqrt(2 L) (GPT-2).
     residual = _init.variance_scaling(
         1.0 / (2 * config.num_layers), 'fan_in', 'truncated_normal'
     )
-    self.query = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.key = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.value = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.out = _linear(config, d, d, (TENSOR, FSDP), residual, rngs)
+    into_heads = ('embed', 'heads')
+    self.query = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.key = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.value = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.out = _linear(config, d, d, ('heads', 'embed'), residual, rngs)
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
+    config = self.config
     b, t, _ = x.shape
-    heads = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)
+
+    def heads(y):
+      y = y.reshape(b, t, config.num_heads, config.head_dim)
+      return config.constrain(y, 'batch', 'length', 'heads', 'kv')
+
     q = apply_rope(heads(self.query(x)), sin, cos)
     k = apply_rope(heads(self.key(x)), sin, cos)
-    v = heads(self.value(x))
-    scores = jnp.einsum(
-        'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
-    ) / math.sqrt(self.head_dim)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    y = jnp.einsum('bhqk,bkhd->bqhd', probs, v)
-    return self.out(y.reshape(b, t, self.num_heads * self.head_dim))
+    y = heads(attend(q, k, heads(self.value(x)), config.attention))
+    return self.out(y.reshape(b, t, config.d_model))
 
 
 class MLP(nnx.Module):
@@ -197,29 +259,38 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
     d, f = config.d_model, config.d_ff
     residual = _init.variance_scaling(
         1.0 / (2 * config.num_layers), 'fan_in', 'truncated_normal'
     )
-    self.up = _linear(config, d, f, (FSDP, TENSOR), _init.lecun_normal(), rngs)
-    self.down = _linear(config, f, d, (TENSOR, FSDP), residual, rngs)
+    self.up = _linear(config, d, f, ('embed', 'mlp'), _init.lecun_normal(),
+                      rngs)
+    self.down = _linear(config, f, d, ('mlp', 'embed'), residual, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.gelu(self.up(x), approximate=True))
+    hidden = self.config.constrain(self.up(x), 'batch', 'length', 'mlp')
+    return self.down(jax.nn.gelu(hidden, approximate=True))
 
 
 class Block(nnx.Module):
-  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+  Input and output are the residual stream, constrained to
+  ``('batch', 'length', 'embed')``.
+  """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
     self.attn_norm = _rms_norm(config, rngs)
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = _rms_norm(config, rngs)
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
-    x = x + self.attn(self.attn_norm(x), sin, cos)
-    return x + self.mlp(self.mlp_norm(x))
+    residual = lambda y: self.config.constrain(y, 'batch', 'length', 'embed')
+    x = residual(x + self.attn(self.attn_norm(x), sin, cos))
+    return residual(x + self.mlp(self.mlp_norm(x)))
 
 
 class Transformer(nnx.Module):
@@ -228,10 +299,9 @@ class Transformer(nnx.Module):
   Blocks are attributes ``layer_0 ... layer_{L-1}`` (string keys, so the pure
   parameter dict has only string keys and checkpoints cleanly).
 
-  Flax shards annotated variables eagerly by default, which needs a mesh;
-  build the module under ``nnx.use_eager_sharding(False)`` (as
-  :func:`build_transformer` does) or under ``jax.set_mesh`` with a mesh that
-  has both ``'fsdp'`` and ``'tensor'`` axes.
+  Parameters are annotated with logical axis names; build the module under
+  ``nnx.use_eager_sharding(False)`` (as :func:`build_transformer` does), which
+  records them as metadata without placing anything.
 
   Example:
     >>> with nnx.use_eager_sharding(False):
@@ -248,7 +318,7 @@ class Transformer(nnx.Module):
         dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=nnx.with_partitioning(
-            _init.normal(stddev=1.0), (None, FSDP)
+            _init.normal(stddev=1.0), ('vocab', 'embed')
         ),
         rngs=rngs,
     )
@@ -261,10 +331,24 @@ class Transformer(nnx.Module):
         config,
         config.d_model,
         config.vocab_size,
-        (FSDP, TENSOR),
+        ('embed', 'vocab'),
         _init.normal(stddev=0.02),
         rngs,
     )
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """The residual stream's input: a one-hot matmul with the table.
+
+    With a byte vocabulary it costs little, it is deterministic, and GSPMD
+    partitions it as a matmul: over a batch-sharded input without gathering
+    the tokens, and over a vocabulary split across ``tensor`` as partial
+    sums (a gather there aborts the SPMD partitioner).
+    """
+    config = self.config
+    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
+    one_hot = config.constrain(one_hot, 'batch', 'length', 'vocab')
+    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
+    return config.constrain(x, 'batch', 'length', 'embed')
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     config = self.config
@@ -279,15 +363,11 @@ class Transformer(nnx.Module):
           f'sequence length {length} exceeds model.max_len ({config.max_len})'
       )
     sin, cos = rope_tables(length, config.head_dim)
-    # The lookup is a one-hot matmul: with a byte vocabulary it costs little,
-    # it is deterministic, and GSPMD partitions it over a batch-sharded input
-    # without gathering the tokens (a gather-based lookup inside the worker
-    # shard_map all-gathers tokens and embeddings across the data axis).
-    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
-    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
+    x = self.embed_tokens(tokens)
     for i in range(config.num_layers):
       x = getattr(self, f'layer_{i}')(x, sin, cos)
-    return self.head(self.final_norm(x)).astype(jnp.float32)
+    logits = self.head(self.final_norm(x)).astype(jnp.float32)
+    return config.constrain(logits, 'batch', 'length', 'vocab')
 
 
 def build_transformer(config: TransformerConfig) -> core.Model:
@@ -298,7 +378,9 @@ def build_transformer(config: TransformerConfig) -> core.Model:
 
   Returns:
     A ``Model`` whose ``apply(params, tokens)`` maps int tokens ``[B, T]``
-    (``T <= max_len``) to float32 logits ``[B, T, vocab_size]``.
+    (``T <= max_len``) to float32 logits ``[B, T, vocab_size]``, and whose
+    ``specs`` are the parameters' logical axes mapped to mesh axes by
+    ``config.axis_rules``.
 
   Example:
     >>> model = build_transformer(TransformerConfig(num_layers=1))
@@ -306,4 +388,6 @@ def build_transformer(config: TransformerConfig) -> core.Model:
     >>> model.apply(params, jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 256)
   """
-  return core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
+  model = core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
+  specs = sharding.logical_to_mesh_specs(model.specs, config.axis_rules)
+  return model._replace(specs=specs)
