@@ -67,7 +67,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'heads': ('tensor',),  # Attention heads (Megatron).
       'kv': (),  # Features of one head.
       'vocab': ('tensor',),  # Vocabulary (vocabulary-parallel loss).
+      'layers': (),  # Stacking axis of scanned blocks.
   })
+  # Blocks as one stacked subtree applied by jax.lax.scan (compile time flat
+  # in depth); False keeps layer_0 ... layer_{L-1}, which Streaming DiLoCo's
+  # fragments need.
+  c.model.scan_layers = False
+  # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch'.
+  c.model.remat = 'none'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

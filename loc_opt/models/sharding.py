@@ -29,6 +29,7 @@ mlp         ('tensor',)                    MLP hidden units (Megatron)
 heads       ('tensor',)                    attention heads (Megatron)
 kv          ()                             per-head features
 vocab       ('tensor',)                    vocabulary (vocab-parallel)
+layers      ()                             stacked blocks (``scan_layers``)
 ==========  =============================  ==================================
 
 Inside the trainer's ``jax.shard_map`` the ``worker`` axis is manual, so
@@ -61,6 +62,7 @@ DEFAULT_RULES: Rules = (
     ('heads', ('tensor',)),
     ('kv', ()),
     ('vocab', ('tensor',)),
+    ('layers', ()),
 )
 
 

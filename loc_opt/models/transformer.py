@@ -70,6 +70,14 @@ _init = nnx.initializers
 # Implementations of attention: the explicit einsum formula, or
 # jax.nn.dot_product_attention with its `implementation` argument.
 ATTENTION = {'einsum': None, 'auto': None, 'xla': 'xla', 'cudnn': 'cudnn'}
+# Rematerialization of a block in the backward pass: what it keeps.
+REMAT = {
+    'none': None,  # no jax.checkpoint: keep every activation
+    'full': jax.checkpoint_policies.nothing_saveable,  # keep the inputs only
+    'dots': jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
+    'dots_no_batch':  # keep weight matmul outputs, recompute attention
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,16 @@ class TransformerConfig:
     axis_rules: logical axis name -> mesh axes (a mapping or pairs; ``None``
       for :data:`loc_opt.models.sharding.DEFAULT_RULES`), for parameters and
       activations alike.
+    scan_layers: ``False`` (default): blocks are parameters ``layer_0 ...
+      layer_{L-1}`` applied by an unrolled loop. ``True``: one ``layers``
+      subtree whose leaves stack the blocks on a leading axis (logical axis
+      ``'layers'``), applied by ``jax.lax.scan``, so compile time does not
+      grow with depth. Initial values are those of the unrolled model
+      (``layers[i] == layer_i``). Streaming DiLoCo's fragments need the
+      unstacked layout (they split the parameters by block leaf).
+    remat: what a block keeps for the backward pass (:data:`REMAT`):
+      ``'none'``, ``'full'`` (recompute the block from its input),
+      ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``).
   """
 
   vocab_size: int = 256
@@ -112,6 +130,8 @@ class TransformerConfig:
   param_dtype: Any = jnp.float32
   attention: str = 'einsum'
   axis_rules: Any = None
+  scan_layers: bool = False
+  remat: str = 'none'
 
   def __post_init__(self):
     core.check_positive(
@@ -131,6 +151,12 @@ class TransformerConfig:
     for field in ('dtype', 'param_dtype'):
       dtype = core.as_dtype(getattr(self, field), f'model.{field}')
       object.__setattr__(self, field, dtype)
+    if self.remat not in REMAT:
+      raise ValueError(f'model.remat must be one of {sorted(REMAT)}, got '
+                       f'{self.remat!r}')
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f'model.scan_layers must be a bool, got '
+                       f'{self.scan_layers!r}')
     if self.attention not in ATTENTION:
       raise ValueError(f'model.attention must be one of {sorted(ATTENTION)}, '
                        f'got {self.attention!r}')
@@ -293,11 +319,43 @@ class Block(nnx.Module):
     return residual(x + self.mlp(self.mlp_norm(x)))
 
 
+def _stack(blocks: list[Block]) -> Block:
+  """One block whose parameters stack those of ``blocks`` on axis 0."""
+  graphdef, *states = (nnx.split(b)[1] if i else nnx.split(b)
+                       for i, b in enumerate(blocks))
+  graphdef, first = graphdef
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), first, *states)
+  return nnx.merge(graphdef, stacked)
+
+
+def _call_block(block: Block, x, sin, cos, remat: str) -> jax.Array:
+  """``block(x, sin, cos)``, rematerialized per ``remat``."""
+  if remat == 'none':
+    return block(x, sin, cos)
+  graphdef, state = nnx.split(block)
+  run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+  return jax.checkpoint(run, policy=REMAT[remat])(state, x)
+
+
+def _scan_blocks(layers: Block, x, sin, cos, remat: str) -> jax.Array:
+  """Applies the stacked blocks in order with ``jax.lax.scan``."""
+  graphdef, state = nnx.split(layers)
+
+  def body(x, layer_state):
+    run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+    if remat != 'none':
+      run = jax.checkpoint(run, policy=REMAT[remat])
+    return run(layer_state, x), None
+
+  return jax.lax.scan(body, x, state)[0]
+
+
 class Transformer(nnx.Module):
   """Decoder-only Transformer LM: int tokens ``[B, T]`` -> logits ``[B, T, V]``.
 
   Blocks are attributes ``layer_0 ... layer_{L-1}`` (string keys, so the pure
-  parameter dict has only string keys and checkpoints cleanly).
+  parameter dict has only string keys and checkpoints cleanly), or with
+  ``scan_layers`` one stacked ``layers`` block scanned over.
 
   Parameters are annotated with logical axis names; build the module under
   ``nnx.use_eager_sharding(False)`` (as :func:`build_transformer` does), which
@@ -322,8 +380,12 @@ class Transformer(nnx.Module):
         ),
         rngs=rngs,
     )
-    for i in range(config.num_layers):
-      setattr(self, f'layer_{i}', Block(config, rngs=rngs))
+    blocks = [Block(config, rngs=rngs) for _ in range(config.num_layers)]
+    if config.scan_layers:
+      self.layers = _stack(blocks)
+    else:
+      for i, block in enumerate(blocks):
+        setattr(self, f'layer_{i}', block)
     self.final_norm = _rms_norm(config, rngs)
     # A small head makes the initial prediction nearly uniform (loss about
     # ln(vocab_size)) while keeping logits dependent on the input.
@@ -364,8 +426,12 @@ class Transformer(nnx.Module):
       )
     sin, cos = rope_tables(length, config.head_dim)
     x = self.embed_tokens(tokens)
-    for i in range(config.num_layers):
-      x = getattr(self, f'layer_{i}')(x, sin, cos)
+    if config.scan_layers:
+      x = _scan_blocks(self.layers, x, sin, cos, config.remat)
+    else:
+      for i in range(config.num_layers):
+        x = _call_block(getattr(self, f'layer_{i}'), x, sin, cos,
+                        config.remat)
     logits = self.head(self.final_norm(x)).astype(jnp.float32)
     return config.constrain(logits, 'batch', 'length', 'vocab')
 
@@ -389,5 +455,10 @@ def build_transformer(config: TransformerConfig) -> core.Model:
     (2, 8, 256)
   """
   model = core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
-  specs = sharding.logical_to_mesh_specs(model.specs, config.axis_rules)
+  specs = dict(model.specs)
+  if config.scan_layers:  # the stacking axis leads every block leaf
+    specs['layers'] = jax.tree.map(lambda s: jax.P('layers', *s),
+                                   specs['layers'],
+                                   is_leaf=lambda x: isinstance(x, jax.P))
+  specs = sharding.logical_to_mesh_specs(specs, config.axis_rules)
   return model._replace(specs=specs)

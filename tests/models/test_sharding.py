@@ -106,11 +106,15 @@ def _per_worker_step(model, mesh):
   return jax.jit(run, in_shardings=(shardings, batch)), shardings, batch
 
 
-@pytest.mark.parametrize('shape', [(2, 1, 2, 2), (2, 1, 1, 4), (1, 2, 1, 4)])
-def test_tensor_parallel_matches_unsharded(shape):
+@pytest.mark.parametrize('shape, scan', [((2, 1, 2, 2), False),
+                                         ((2, 1, 1, 4), False),
+                                         ((1, 2, 1, 4), False),
+                                         ((2, 1, 2, 2), True)])
+def test_tensor_parallel_matches_unsharded(shape, scan):
   """tensor = 2 and 4 compile (no SPMD partitioner abort) and give the
-  unsharded model's loss and gradients."""
-  model = models.build_transformer(TINY)
+  unsharded model's loss and gradients (blocks unrolled or scanned)."""
+  model = models.build_transformer(
+      models.TransformerConfig(**{**vars(TINY), 'scan_layers': scan}))
   mesh = _mesh(shape)
   workers = shape[0]
   params = [jax.jit(model.init)(jax.random.key(s)) for s in range(workers)]
@@ -120,8 +124,10 @@ def test_tensor_parallel_matches_unsharded(shape):
   step, shardings, batch = _per_worker_step(model, mesh)
   loss, grads = jax.device_get(step(jax.device_put(stacked, shardings),
                                     jax.device_put(tokens, batch)))
-  kernel = shardings['layer_0']['mlp']['up']['kernel']
-  assert kernel.shard_shape((workers, 32, 64))[-1] == 64 // shape[3]
+  block = shardings['layers' if scan else 'layer_0']
+  kernel = block['mlp']['up']['kernel']
+  shape_of = (workers, 2, 32, 64) if scan else (workers, 32, 64)
+  assert kernel.shard_shape(shape_of)[-1] == 64 // shape[3]
   reference = jax.jit(_loss(model))
   for i in range(workers):
     ref_loss, ref_grads = reference(params[i], tokens[i])
