@@ -154,7 +154,7 @@ class TransformerConfig:
     if self.remat not in REMAT:
       raise ValueError(f'model.remat must be one of {sorted(REMAT)}, got '
                        f'{self.remat!r}')
-    if not isinstance(self.scan_layers, bool):
+    if type(self.scan_layers) is not bool:
       raise ValueError(f'model.scan_layers must be a bool, got '
                        f'{self.scan_layers!r}')
     if self.attention not in ATTENTION:
