@@ -51,6 +51,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.max_len = 128  # Longest sequence the model accepts.
   c.model.dtype = 'float32'  # Activation dtype.
   c.model.param_dtype = 'float32'  # Parameter dtype.
+  # Mixed precision at scale: dtype='bfloat16' with param_dtype='float32'
+  # (bf16 matmul operands, f32 accumulation, softmax, norms, loss, params).
+  # Attention: 'einsum' (explicit formula), or jax.nn.dot_product_attention
+  # with implementation 'auto' (JAX picks), 'xla' or 'cudnn' (GPU).
+  c.model.attention = 'einsum'
+  # Logical axis -> mesh axes, for parameters and activations alike
+  # (loc_opt.models.sharding): a dimension takes the listed mesh axes that
+  # exist, are not manual and are not taken by an earlier dimension.
+  c.model.axis_rules = ml_collections.ConfigDict({
+      'batch': ('worker', 'data', 'fsdp'),  # Activations' batch dimension.
+      'length': (),  # Sequence positions: not split.
+      'embed': ('fsdp',),  # d_model: FSDP for parameters.
+      'mlp': ('tensor',),  # MLP hidden units (Megatron).
+      'heads': ('tensor',),  # Attention heads (Megatron).
+      'kv': (),  # Features of one head.
+      'vocab': ('tensor',),  # Vocabulary (vocabulary-parallel loss).
+      'layers': (),  # Stacking axis of scanned blocks.
+  })
+  # Blocks as one stacked subtree applied by jax.lax.scan (compile time flat
+  # in depth); False keeps layer_0 ... layer_{L-1}, which Streaming DiLoCo's
+  # fragments need.
+  c.model.scan_layers = False
+  # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch'.
+  c.model.remat = 'none'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import optax
 
 PyTree = Any
 P = jax.P
@@ -146,6 +145,43 @@ def resolve_specs(
   return jax.tree.map(resolve, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  r"""Per-position softmax cross-entropy, vocabulary-parallel, in float32.
+
+  .. math::
+    \ell_{bt} = \log\textstyle\sum_v e^{z_{btv}} - \sum_v [v = y_{bt}]\,
+      z_{btv}
+
+  The target's logit is picked by a mask over the vocabulary (an iota
+  compared with the target), not by a gather: when the vocabulary dimension
+  of ``logits`` is split over a mesh axis (tensor parallelism) every shard
+  computes its partial max, sum of exponentials and masked sum, and GSPMD
+  combines them with small all-reduces over ``[..]`` rows. A
+  ``take_along_axis`` over a split vocabulary instead aborts XLA's SPMD
+  partitioner (jaxlib 0.12, ``PartitionGather``). The values equal
+  ``optax.softmax_cross_entropy_with_integer_labels`` bit for bit (the mask
+  adds exact zeros), and so do the gradients.
+
+  Args:
+    logits: ``[..., V]`` unnormalized scores (any float dtype; upcast).
+    targets: ``[...]`` integer labels in ``[0, V)``.
+
+  Returns:
+    ``[...]`` float32 losses in nats.
+
+  References:
+    Shoeybi et al., Megatron-LM: Training Multi-Billion Parameter Language
+    Models Using Model Parallelism, 2019 (vocabulary-parallel
+    cross-entropy).
+  """
+  logits = logits.astype(jnp.float32)
+  targets = jnp.asarray(targets)
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape,
+                                   logits.ndim - 1)
+  picked = jnp.where(vocab == targets[..., None], logits, 0.0)
+  return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(picked, axis=-1)
+
+
 def lm_loss(
     logits: jax.Array,
     targets: jax.Array,
@@ -158,7 +194,8 @@ def lm_loss(
       - z_{b t y_{bt}})}{\max(1, \sum_{b,t} m_{bt})}
 
   The caller aligns the two: ``logits = apply(params, tokens[:, :-1])`` and
-  ``targets = tokens[:, 1:]``.
+  ``targets = tokens[:, 1:]``. Computed by :func:`cross_entropy`, so it
+  partitions over a vocabulary split across devices.
 
   Args:
     logits: ``[..., V]`` unnormalized scores (any float dtype; upcast).
@@ -174,9 +211,7 @@ def lm_loss(
         f'logits {logits.shape} and targets {targets.shape} disagree: '
         'logits must be targets.shape + (vocab_size,)'
     )
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets
-  )
+  losses = cross_entropy(logits, targets)
   if mask is None:
     return jnp.mean(losses)
   if mask.shape != targets.shape:

@@ -11,32 +11,39 @@ The architecture is a small pre-norm GPT with current defaults:
 * a final RMSNorm and an untied output head (its own ``[d_model, vocab]``
   kernel), so the embedding and the head can be sharded independently.
 
-Every parameter is annotated with ``nnx.with_partitioning`` over the
-within-worker mesh axes ``'fsdp'`` and ``'tensor'`` (Megatron layout: the
-first matmul of a pair is split over its output, the second over its input):
+Every parameter and the activations at block boundaries are annotated with
+*logical* axis names (``loc_opt.models.sharding``), which the config's
+``axis_rules`` map to the within-worker mesh axes. With the default rules the
+parameters are FSDP-sharded over ``'fsdp'`` and Megatron-sharded over
+``'tensor'`` (the first matmul of a pair is split over its output, the second
+over its input):
 
-====================  ==================  ======================
-parameter             shape               sharding
-====================  ==================  ======================
-embed/embedding       [vocab, d_model]    (None, 'fsdp')
-attn/{query,key,      [d_model, d_model]  ('fsdp', 'tensor')
+====================  ==================  ==================  ================
+parameter             shape               logical axes        default sharding
+====================  ==================  ==================  ================
+embed/embedding       [vocab, d_model]    (vocab, embed)      (tensor, fsdp)
+attn/{query,key,      [d_model, d_model]  (embed, heads)      (fsdp, tensor)
 value}/kernel
-attn/out/kernel       [d_model, d_model]  ('tensor', 'fsdp')
-mlp/up/kernel         [d_model, d_ff]     ('fsdp', 'tensor')
-mlp/down/kernel       [d_ff, d_model]     ('tensor', 'fsdp')
-*_norm/scale          [d_model]           (None,)
-head/kernel           [d_model, vocab]    ('fsdp', 'tensor')
-====================  ==================  ======================
+attn/out/kernel       [d_model, d_model]  (heads, embed)      (tensor, fsdp)
+mlp/up/kernel         [d_model, d_ff]     (embed, mlp)        (fsdp, tensor)
+mlp/down/kernel       [d_ff, d_model]     (mlp, embed)        (tensor, fsdp)
+*_norm/scale          [d_model]           (None,)             replicated
+head/kernel           [d_model, vocab]    (embed, vocab)      (fsdp, tensor)
+====================  ==================  ==================  ================
 
-The embedding table is not split over the vocabulary: with the table sharded
-``('tensor', 'fsdp')`` the XLA SPMD partitioner (jaxlib 0.12, CPU) aborts on
-the token gather inside a ``shard_map`` manual over ``worker`` ("Check failed:
-partition_group_list.num_replica_groups() ..."). The vocabulary is small
-(bytes), so splitting only the feature dimension costs nothing.
-
-Activations carry no sharding constraints; GSPMD propagates shardings from the
-parameters, so the same code runs with no mesh, on a mesh, and inside a
-``jax.shard_map`` that is manual over the ``worker`` axis only.
+Activations are constrained (``jax.lax.with_sharding_constraint``) at block
+boundaries: the residual stream ``(batch, length, embed)`` is split over the
+batch axes (``data``, ``fsdp``; ``worker`` too under plain ``jit``) and
+whole in ``d_model``; the attention heads and the MLP hidden units over
+``tensor``; the logits over ``tensor`` in the vocabulary, which the
+vocabulary-parallel loss (``loc_opt.models.core.cross_entropy``) reads
+without a gather. The token embedding is a one-hot matmul, so a vocabulary
+split over ``tensor`` partitions as a matmul (partial sums all-reduced over
+``tensor``, Megatron's vocabulary-parallel embedding) instead of a gather,
+which XLA's SPMD partitioner (jaxlib 0.12) cannot split. Without a mesh in
+context (one device, ``jax.vmap`` runners) the constraints are no-ops, so
+the same code runs everywhere; inside a ``jax.shard_map`` manual over
+``worker`` they use the remaining axes.
 
 References:
   Vaswani et al., Attention Is All You Need, 2017.
@@ -44,6 +51,8 @@ References:
   Su et al., RoFormer: Enhanced Transformer with Rotary Position Embedding,
   2021.
   Zhang and Sennrich, Root Mean Square Layer Normalization, 2019.
+  Shoeybi et al., Megatron-LM: Training Multi-Billion Parameter Language
+  Models Using Model Parallelism, 2019.
 """
 
 import dataclasses
@@ -55,9 +64,20 @@ import jax
 import jax.numpy as jnp
 
 from loc_opt.models import core
+from loc_opt.models import sharding
 
-FSDP, TENSOR = core.FSDP, core.TENSOR
 _init = nnx.initializers
+# Implementations of attention: the explicit einsum formula, or
+# jax.nn.dot_product_attention with its `implementation` argument.
+ATTENTION = {'einsum': None, 'auto': None, 'xla': 'xla', 'cudnn': 'cudnn'}
+# Rematerialization of a block in the backward pass: what it keeps.
+REMAT = {
+    'none': None,  # no jax.checkpoint: keep every activation
+    'full': jax.checkpoint_policies.nothing_saveable,  # keep the inputs only
+    'dots': jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
+    'dots_no_batch':  # keep weight matmul outputs, recompute attention
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +93,31 @@ class TransformerConfig:
     max_len: longest sequence ``apply`` accepts.
     dtype: dtype of activations and matmuls (``'float32'``, ``'bfloat16'``
       or a ``jnp`` dtype). Softmax, norms' statistics and logits are float32.
-    param_dtype: dtype in which parameters are stored.
+    param_dtype: dtype in which parameters are stored. Mixed precision, the
+      usual setting at scale, is ``dtype='bfloat16'`` with
+      ``param_dtype='float32'``: matmuls take bfloat16 operands and
+      accumulate in float32 (attention scores, softmax, norms' statistics
+      and the loss are float32), while parameters, gradients and optimizer
+      state stay float32.
+    attention: ``'einsum'`` (default; the explicit formula with float32
+      scores, bit-identical to earlier releases), or through
+      ``jax.nn.dot_product_attention`` with ``implementation`` ``None``
+      (``'auto'``: JAX picks, e.g. cuDNN's fused kernel on GPU where it
+      applies), ``'xla'`` or ``'cudnn'`` (GPU only). Numerically equal up to
+      rounding.
+    axis_rules: logical axis name -> mesh axes (a mapping or pairs; ``None``
+      for :data:`loc_opt.models.sharding.DEFAULT_RULES`), for parameters and
+      activations alike.
+    scan_layers: ``False`` (default): blocks are parameters ``layer_0 ...
+      layer_{L-1}`` applied by an unrolled loop. ``True``: one ``layers``
+      subtree whose leaves stack the blocks on a leading axis (logical axis
+      ``'layers'``), applied by ``jax.lax.scan``, so compile time does not
+      grow with depth. Initial values are those of the unrolled model
+      (``layers[i] == layer_i``). Streaming DiLoCo's fragments need the
+      unstacked layout (they split the parameters by block leaf).
+    remat: what a block keeps for the backward pass (:data:`REMAT`):
+      ``'none'``, ``'full'`` (recompute the block from its input),
+      ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``).
   """
 
   vocab_size: int = 256
@@ -84,6 +128,10 @@ class TransformerConfig:
   max_len: int = 256
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention: str = 'einsum'
+  axis_rules: Any = None
+  scan_layers: bool = False
+  remat: str = 'none'
 
   def __post_init__(self):
     core.check_positive(
@@ -103,6 +151,24 @@ class TransformerConfig:
     for field in ('dtype', 'param_dtype'):
       dtype = core.as_dtype(getattr(self, field), f'model.{field}')
       object.__setattr__(self, field, dtype)
+    if self.remat not in REMAT:
+      raise ValueError(f'model.remat must be one of {sorted(REMAT)}, got '
+                       f'{self.remat!r}')
+    if type(self.scan_layers) is not bool:
+      raise ValueError(f'model.scan_layers must be a bool, got '
+                       f'{self.scan_layers!r}')
+    if self.attention not in ATTENTION:
+      raise ValueError(f'model.attention must be one of {sorted(ATTENTION)}, '
+                       f'got {self.attention!r}')
+    try:
+      rules = sharding.normalize_rules(self.axis_rules)
+    except ValueError as e:
+      raise ValueError(f'model.axis_rules: {e}') from e
+    object.__setattr__(self, 'axis_rules', rules)
+
+  def constrain(self, x: jax.Array, *logical: str | None) -> jax.Array:
+    """Constrains activation ``x`` to the logical axes (see ``sharding``)."""
+    return sharding.constrain(x, logical, self.axis_rules)
 
   @property
   def head_dim(self) -> int:
@@ -113,7 +179,7 @@ def _linear(
     config: TransformerConfig,
     in_features: int,
     out_features: int,
-    sharding: tuple[str | None, ...],
+    logical: tuple[str | None, ...],
     init: jax.nn.initializers.Initializer,
     rngs: nnx.Rngs,
 ) -> nnx.Linear:
@@ -123,7 +189,7 @@ def _linear(
       use_bias=False,
       dtype=config.dtype,
       param_dtype=config.param_dtype,
-      kernel_init=nnx.with_partitioning(init, sharding),
+      kernel_init=nnx.with_partitioning(init, logical),
       rngs=rngs,
   )
 
@@ -156,36 +222,58 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str):
+  """Causal attention of ``[B, T, H, Dh]`` queries, keys and values.
+
+  ``'einsum'`` is the explicit formula: float32 scores
+  ``q k^T / sqrt(Dh)``, causal mask, float32 softmax, probabilities cast to
+  ``v``'s dtype. The others call ``jax.nn.dot_product_attention``
+  (``is_causal=True``), whose XLA path computes the same in the same
+  precisions (it multiplies by ``1 / sqrt(Dh)`` instead of dividing, so the
+  two differ in the last bits) and whose cuDNN path never stores the
+  ``[T, T]`` scores.
+  """
+  if attention != 'einsum':
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=ATTENTION[attention])
+  t, head_dim = q.shape[1], q.shape[-1]
+  scores = jnp.einsum(
+      'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
+  ) / math.sqrt(head_dim)
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+
+
 class Attention(nnx.Module):
   """Causal multi-head self-attention with rotary position embeddings."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-    self.num_heads = config.num_heads
-    self.head_dim = config.head_dim
+    self.config = config
     d, fan_in = config.d_model, _init.lecun_normal()
     # Residual projections are scaled down by 1/sqrt(2 L) (GPT-2).
     residual = _init.variance_scaling(
         1.0 / (2 * config.num_layers), 'fan_in', 'truncated_normal'
     )
-    self.query = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.key = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.value = _linear(config, d, d, (FSDP, TENSOR), fan_in, rngs)
-    self.out = _linear(config, d, d, (TENSOR, FSDP), residual, rngs)
+    into_heads = ('embed', 'heads')
+    self.query = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.key = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.value = _linear(config, d, d, into_heads, fan_in, rngs)
+    self.out = _linear(config, d, d, ('heads', 'embed'), residual, rngs)
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
+    config = self.config
     b, t, _ = x.shape
-    heads = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)
+
+    def heads(y):
+      y = y.reshape(b, t, config.num_heads, config.head_dim)
+      return config.constrain(y, 'batch', 'length', 'heads', 'kv')
+
     q = apply_rope(heads(self.query(x)), sin, cos)
     k = apply_rope(heads(self.key(x)), sin, cos)
-    v = heads(self.value(x))
-    scores = jnp.einsum(
-        'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
-    ) / math.sqrt(self.head_dim)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    y = jnp.einsum('bhqk,bkhd->bqhd', probs, v)
-    return self.out(y.reshape(b, t, self.num_heads * self.head_dim))
+    y = heads(attend(q, k, heads(self.value(x)), config.attention))
+    return self.out(y.reshape(b, t, config.d_model))
 
 
 class MLP(nnx.Module):
@@ -197,41 +285,81 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
     d, f = config.d_model, config.d_ff
     residual = _init.variance_scaling(
         1.0 / (2 * config.num_layers), 'fan_in', 'truncated_normal'
     )
-    self.up = _linear(config, d, f, (FSDP, TENSOR), _init.lecun_normal(), rngs)
-    self.down = _linear(config, f, d, (TENSOR, FSDP), residual, rngs)
+    self.up = _linear(config, d, f, ('embed', 'mlp'), _init.lecun_normal(),
+                      rngs)
+    self.down = _linear(config, f, d, ('mlp', 'embed'), residual, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.gelu(self.up(x), approximate=True))
+    hidden = self.config.constrain(self.up(x), 'batch', 'length', 'mlp')
+    return self.down(jax.nn.gelu(hidden, approximate=True))
 
 
 class Block(nnx.Module):
-  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+  Input and output are the residual stream, constrained to
+  ``('batch', 'length', 'embed')``.
+  """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
     self.attn_norm = _rms_norm(config, rngs)
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = _rms_norm(config, rngs)
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
-    x = x + self.attn(self.attn_norm(x), sin, cos)
-    return x + self.mlp(self.mlp_norm(x))
+    residual = lambda y: self.config.constrain(y, 'batch', 'length', 'embed')
+    x = residual(x + self.attn(self.attn_norm(x), sin, cos))
+    return residual(x + self.mlp(self.mlp_norm(x)))
+
+
+def _stack(blocks: list[Block]) -> Block:
+  """One block whose parameters stack those of ``blocks`` on axis 0."""
+  graphdef, *states = (nnx.split(b)[1] if i else nnx.split(b)
+                       for i, b in enumerate(blocks))
+  graphdef, first = graphdef
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), first, *states)
+  return nnx.merge(graphdef, stacked)
+
+
+def _call_block(block: Block, x, sin, cos, remat: str) -> jax.Array:
+  """``block(x, sin, cos)``, rematerialized per ``remat``."""
+  if remat == 'none':
+    return block(x, sin, cos)
+  graphdef, state = nnx.split(block)
+  run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+  return jax.checkpoint(run, policy=REMAT[remat])(state, x)
+
+
+def _scan_blocks(layers: Block, x, sin, cos, remat: str) -> jax.Array:
+  """Applies the stacked blocks in order with ``jax.lax.scan``."""
+  graphdef, state = nnx.split(layers)
+
+  def body(x, layer_state):
+    run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+    if remat != 'none':
+      run = jax.checkpoint(run, policy=REMAT[remat])
+    return run(layer_state, x), None
+
+  return jax.lax.scan(body, x, state)[0]
 
 
 class Transformer(nnx.Module):
   """Decoder-only Transformer LM: int tokens ``[B, T]`` -> logits ``[B, T, V]``.
 
   Blocks are attributes ``layer_0 ... layer_{L-1}`` (string keys, so the pure
-  parameter dict has only string keys and checkpoints cleanly).
+  parameter dict has only string keys and checkpoints cleanly), or with
+  ``scan_layers`` one stacked ``layers`` block scanned over.
 
-  Flax shards annotated variables eagerly by default, which needs a mesh;
-  build the module under ``nnx.use_eager_sharding(False)`` (as
-  :func:`build_transformer` does) or under ``jax.set_mesh`` with a mesh that
-  has both ``'fsdp'`` and ``'tensor'`` axes.
+  Parameters are annotated with logical axis names; build the module under
+  ``nnx.use_eager_sharding(False)`` (as :func:`build_transformer` does), which
+  records them as metadata without placing anything.
 
   Example:
     >>> with nnx.use_eager_sharding(False):
@@ -248,12 +376,16 @@ class Transformer(nnx.Module):
         dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=nnx.with_partitioning(
-            _init.normal(stddev=1.0), (None, FSDP)
+            _init.normal(stddev=1.0), ('vocab', 'embed')
         ),
         rngs=rngs,
     )
-    for i in range(config.num_layers):
-      setattr(self, f'layer_{i}', Block(config, rngs=rngs))
+    blocks = [Block(config, rngs=rngs) for _ in range(config.num_layers)]
+    if config.scan_layers:
+      self.layers = _stack(blocks)
+    else:
+      for i, block in enumerate(blocks):
+        setattr(self, f'layer_{i}', block)
     self.final_norm = _rms_norm(config, rngs)
     # A small head makes the initial prediction nearly uniform (loss about
     # ln(vocab_size)) while keeping logits dependent on the input.
@@ -261,10 +393,24 @@ class Transformer(nnx.Module):
         config,
         config.d_model,
         config.vocab_size,
-        (FSDP, TENSOR),
+        ('embed', 'vocab'),
         _init.normal(stddev=0.02),
         rngs,
     )
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """The residual stream's input: a one-hot matmul with the table.
+
+    With a byte vocabulary it costs little, it is deterministic, and GSPMD
+    partitions it as a matmul: over a batch-sharded input without gathering
+    the tokens, and over a vocabulary split across ``tensor`` as partial
+    sums (a gather there aborts the SPMD partitioner).
+    """
+    config = self.config
+    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
+    one_hot = config.constrain(one_hot, 'batch', 'length', 'vocab')
+    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
+    return config.constrain(x, 'batch', 'length', 'embed')
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     config = self.config
@@ -279,15 +425,15 @@ class Transformer(nnx.Module):
           f'sequence length {length} exceeds model.max_len ({config.max_len})'
       )
     sin, cos = rope_tables(length, config.head_dim)
-    # The lookup is a one-hot matmul: with a byte vocabulary it costs little,
-    # it is deterministic, and GSPMD partitions it over a batch-sharded input
-    # without gathering the tokens (a gather-based lookup inside the worker
-    # shard_map all-gathers tokens and embeddings across the data axis).
-    one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
-    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
-    for i in range(config.num_layers):
-      x = getattr(self, f'layer_{i}')(x, sin, cos)
-    return self.head(self.final_norm(x)).astype(jnp.float32)
+    x = self.embed_tokens(tokens)
+    if config.scan_layers:
+      x = _scan_blocks(self.layers, x, sin, cos, config.remat)
+    else:
+      for i in range(config.num_layers):
+        x = _call_block(getattr(self, f'layer_{i}'), x, sin, cos,
+                        config.remat)
+    logits = self.head(self.final_norm(x)).astype(jnp.float32)
+    return config.constrain(logits, 'batch', 'length', 'vocab')
 
 
 def build_transformer(config: TransformerConfig) -> core.Model:
@@ -298,7 +444,9 @@ def build_transformer(config: TransformerConfig) -> core.Model:
 
   Returns:
     A ``Model`` whose ``apply(params, tokens)`` maps int tokens ``[B, T]``
-    (``T <= max_len``) to float32 logits ``[B, T, vocab_size]``.
+    (``T <= max_len``) to float32 logits ``[B, T, vocab_size]``, and whose
+    ``specs`` are the parameters' logical axes mapped to mesh axes by
+    ``config.axis_rules``.
 
   Example:
     >>> model = build_transformer(TransformerConfig(num_layers=1))
@@ -306,4 +454,11 @@ def build_transformer(config: TransformerConfig) -> core.Model:
     >>> model.apply(params, jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 256)
   """
-  return core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
+  model = core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
+  specs = dict(model.specs)
+  if config.scan_layers:  # the stacking axis leads every block leaf
+    specs['layers'] = jax.tree.map(lambda s: jax.P('layers', *s),
+                                   specs['layers'],
+                                   is_leaf=lambda x: isinstance(x, jax.P))
+  specs = sharding.logical_to_mesh_specs(specs, config.axis_rules)
+  return model._replace(specs=specs)

@@ -10,6 +10,7 @@ from loc_opt.parallel.mesh import num_workers
 from loc_opt.parallel.mesh import WORKER
 from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers
+from loc_opt.parallel import ideal
 from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport

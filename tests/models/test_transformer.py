@@ -285,3 +285,27 @@ def test_sharded_in_shard_map_matches_single_device(
     )
   # Workers had different parameters, so their losses differ.
   assert len(set(np.asarray(loss).round(6).tolist())) == workers
+
+
+@pytest.mark.parametrize('attention', ['xla', 'auto'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_dot_product_attention_matches_einsum(params, attention, dtype):
+  """jax.nn.dot_product_attention gives the explicit formula's logits and
+  gradients (up to rounding: it scales by 1/sqrt(Dh) instead of dividing)."""
+  tokens = _tokens(9, (4, 17))
+  results = []
+  for impl in ('einsum', attention):
+    config = dataclasses.replace(TINY, dtype=dtype, attention=impl)
+    model = models.build_transformer(config)
+    results.append(jax.jit(jax.value_and_grad(_next_token_loss(model)))(
+        params, tokens))
+  (loss, grads), (ref_loss, ref_grads) = results
+  tol = 1e-5 if dtype == 'float32' else 2e-2
+  np.testing.assert_allclose(loss, ref_loss, rtol=tol)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(
+      g, r, rtol=10 * tol, atol=10 * tol * np.abs(r).max()), grads, ref_grads)
+
+
+def test_unknown_attention_raises():
+  with pytest.raises(ValueError, match='model.attention'):
+    models.TransformerConfig(attention='flash')

@@ -1,0 +1,114 @@
+r"""Compile-only scale check of a config's train steps on its mesh.
+
+Builds the experiment of ``--config`` with abstract parameters (nothing is
+materialized), compiles the inner step and the first sync step, and prints
+one Markdown row per step: parameters, per-device argument and temporary
+memory (``compiled.memory_analysis()``), within-worker bytes against ideal
+FSDP + Megatron (``loc_opt.parallel.ideal``), cross-worker bytes per worker
+against the fp32 parameter bytes (DiLoCo's sync), and compile time.
+
+  python -m experiments.scale_check --config=configs/scale_lm.py:1b \
+    [--config.mesh.fsdp=2 --config.mesh.tensor=2] [--json=out.json]
+
+On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
+devices.
+"""
+
+import json
+import math
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_JSON = flags.DEFINE_string('json', '', 'Also write the rows here.')
+_SYNC = flags.DEFINE_bool('sync', True, 'Also compile the first sync step.')
+
+HEADER = ('| mesh (w x d x f x t) | step | params | arg MiB/dev | temp MiB/dev '
+          '| within-worker MiB | vs ideal | cross-worker MiB/worker '
+          '| vs fp32 params | compile s |')
+
+
+def _layout(config, num_params):
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  m, model = config.mesh, config.model
+  act_bytes = 2 if str(model.dtype) == 'bfloat16' else 4
+  return parallel.ideal.WorkerLayout(
+      data=m.data, fsdp=m.fsdp, tensor=m.tensor,
+      param_bytes=4 * num_params, rows=config.batch_size // m.workers,
+      length=config.data.seq_len, d_model=model.d_model,
+      num_layers=model.num_layers, act_bytes=act_bytes)
+
+
+def _row(config, exp, phase, label) -> dict:
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  start = time.perf_counter()
+  compiled = exp.programs.steps[phase]
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  report = parallel.collective_bytes(compiled, exp.mesh)
+  within = parallel.ideal.unrolled_bytes(report, cross_worker=False)
+  cross = parallel.ideal.unrolled_bytes(report, cross_worker=True)
+  workers = config.mesh.workers
+  layout = _layout(config, exp.model.num_params)
+  ideal = workers * parallel.ideal.inner_step_bytes(layout)
+  m = config.mesh
+  return {
+      'mesh': f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}',
+      'step': label, 'params': exp.model.num_params,
+      'argument_bytes': memory.argument_size_in_bytes,
+      'temp_bytes': memory.temp_size_in_bytes,
+      'within_worker_bytes': within,
+      'ideal_within_worker_bytes': ideal,
+      'cross_worker_bytes_per_worker': cross / workers,
+      'param_bytes': 4 * exp.model.num_params,
+      'compile_seconds': seconds,
+  }
+
+
+def _markdown(row: dict) -> str:
+  mib = lambda b: f'{b / 2**20:,.0f}'
+  ratio = lambda a, b: f'{a / b:.2f}x' if b else '-'
+  within = row['within_worker_bytes']
+  cross = row['cross_worker_bytes_per_worker']
+  return (f"| {row['mesh']} | {row['step']} | {row['params'] / 1e6:,.1f}M "
+          f"| {mib(row['argument_bytes'])} | {mib(row['temp_bytes'])} "
+          f"| {mib(row['within_worker_bytes'])} "
+          f"| {ratio(within, row['ideal_within_worker_bytes'])} "
+          f"| {mib(cross)} | {ratio(cross, row['param_bytes'])} "
+          f"| {row['compile_seconds']:.1f} |")
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  from loc_opt.train import experiment  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import programs  # pylint: disable=g-import-not-at-top
+  config = _CONFIG.value
+  # Compile each phase on first use here, so that each is timed alone.
+  programs.EAGER_COMPILE_PHASES = 0
+  exp = experiment.build_experiment(config)
+  phases = [(exp.plan.inner, 'inner')]
+  syncs = [p for p in exp.plan.phases(config.num_steps) if exp.plan.is_sync(p)]
+  if _SYNC.value and syncs:
+    phases.append((syncs[0], 'sync'))
+  print(f"# {config.model.d_model} wide, {config.model.num_layers} layers, "
+        f"{math.prod(config.mesh.values())} devices\n{HEADER}\n"
+        + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
+  rows = []
+  for phase, label in phases:
+    rows.append(_row(config, exp, phase, label))
+    print(_markdown(rows[-1]), flush=True)
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump({'config': config.to_dict(), 'rows': rows}, f, indent=1,
+                default=str)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,93 @@
+"""Tests for scanned (stacked) Transformer blocks and rematerialization."""
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from loc_opt import models
+from loc_opt import outer
+
+TINY = models.TransformerConfig(
+    d_model=32, num_layers=3, num_heads=4, d_ff=64, max_len=32
+)
+TOKENS = np.random.default_rng(0).integers(0, 256, (4, 17), dtype=np.int32)
+
+
+def _value_and_grad(model):
+  def loss_fn(params, tokens):
+    return models.lm_loss(model.apply(params, tokens[:, :-1]), tokens[:, 1:])
+  return jax.jit(jax.value_and_grad(loss_fn))
+
+
+@pytest.fixture(scope='module')
+def unrolled():
+  model = models.build_transformer(TINY)
+  params = jax.jit(model.init)(jax.random.key(0))
+  return model, params, _value_and_grad(model)(params, TOKENS)
+
+
+@pytest.mark.parametrize('scan, remat', [(True, 'none'), (True, 'full'),
+                                         (False, 'dots'),
+                                         (True, 'dots_no_batch')])
+def test_scanned_and_rematerialized_blocks_match_unrolled(unrolled, scan,
+                                                          remat):
+  model, params, (ref_loss, ref_grads) = unrolled
+  config = dataclasses.replace(TINY, scan_layers=scan, remat=remat)
+  other = models.build_transformer(config)
+  assert other.num_params == model.num_params
+  other_params = jax.jit(other.init)(jax.random.key(0))
+  if scan:
+    # Same initial values: layers[i] is layer_i.
+    for i in range(TINY.num_layers):
+      jax.tree.map(np.testing.assert_array_equal,
+                   jax.tree.map(lambda x, i=i: x[i], other_params['layers']),
+                   params[f'layer_{i}'])
+    assert other.specs['layers']['attn']['query']['kernel'] == jax.P(
+        None, 'fsdp', 'tensor')
+    unstack = lambda g: {
+        **{k: v for k, v in g.items() if k != 'layers'},
+        **{f'layer_{i}': jax.tree.map(lambda x, i=i: x[i], g['layers'])
+           for i in range(TINY.num_layers)}}
+  else:
+    unstack = lambda g: g
+  loss, grads = _value_and_grad(other)(other_params, TOKENS)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4,
+                                                       atol=1e-7),
+               unstack(grads), ref_grads)
+
+
+def _compile_seconds(num_layers):
+  config = dataclasses.replace(TINY, num_layers=num_layers, scan_layers=True,
+                               remat='full')
+  model = models.build_transformer(config)
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  lowered = _value_and_grad(model).lower(params, TOKENS)
+  start = time.perf_counter()
+  lowered.compile()
+  return time.perf_counter() - start
+
+
+def test_compile_time_is_flat_in_depth():
+  _compile_seconds(2)  # warm up
+  shallow = min(_compile_seconds(8) for _ in range(2))
+  deep = min(_compile_seconds(32) for _ in range(2))
+  assert deep < 1.5 * shallow, (shallow, deep)
+
+
+def test_streaming_fragments_need_unstacked_blocks():
+  config = dataclasses.replace(TINY, scan_layers=True)
+  shapes = jax.eval_shape(models.build_transformer(config).init,
+                          jax.random.key(0))
+  with pytest.raises(ValueError, match='empty'):
+    outer.fragment_ids(shapes, 3)
+
+
+def test_bad_remat_or_scan_values_raise():
+  with pytest.raises(ValueError, match='model.remat'):
+    dataclasses.replace(TINY, remat='some')
+  with pytest.raises(ValueError, match='model.scan_layers'):
+    dataclasses.replace(TINY, scan_layers='yes')
