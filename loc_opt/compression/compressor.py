@@ -257,15 +257,21 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   return Compressor(name, lambda tree: (), mean, payload_bytes)
 
 
-def as_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:
-  """A compressor from a compressor, a codec, or ``None`` (fp32 mean)."""
+def to_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:
+  """A compressor from a compressor, a codec, or ``None`` (fp32 mean).
+
+  Names (``'int8'``) are resolved one layer up, by
+  :func:`loc_opt.compression.as_compressor`, which every library function
+  that takes a codec goes through.
+  """
   if scheme is None:
     return from_codec(codecs_lib.identity())
   if isinstance(scheme, codecs_lib.Codec):
     return from_codec(scheme)
   if isinstance(scheme, Compressor):
     return scheme
-  raise TypeError(f'expected a Compressor or Codec, got {type(scheme)}')
+  raise TypeError(f'expected a Compressor, Codec or codec name, got '
+                  f'{type(scheme)}')
 
 
 def min_size(size: int) -> Eligible:
@@ -335,30 +341,3 @@ def partition(compressor: Compressor, eligible: Eligible | None) -> Compressor:
 
 def _size(x) -> int:
   return math.prod(x.shape)
-
-
-def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
-                    axis_name: str, *, key: jax.Array | None = None,
-                    spread_over=comm_lib.INNER_AXES) -> Any:
-  """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
-
-  For schemes with state (error feedback, PowerSGD warm starts) use
-  :func:`~loc_opt.compression.compressed_all_reduce` or
-  ``loc_opt.diloco(..., codec=...)``, which carry it across steps; here any
-  state starts fresh and is dropped.
-
-  Args:
-    tree: this worker's pytree of float arrays.
-    scheme: a compressor or codec; ``None`` is the fp32 mean.
-    axis_name: the worker axis.
-    key: PRNG key identical on all workers (default: ``key(0)``).
-    spread_over: within-worker mesh axes to spread payloads over.
-
-  Returns:
-    The mean, same structure, shapes and dtypes, identical on all workers.
-  """
-  compressor = as_compressor(scheme)
-  comm = comm_lib.Comm(axis_name, spread_over)
-  key = jax.random.key(0) if key is None else key
-  mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
-  return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)
