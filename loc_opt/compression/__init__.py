@@ -13,6 +13,8 @@
 * Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
   :mod:`~loc_opt.compression.sparse` (top-k, random-k),
   :mod:`~loc_opt.compression.dct` (chunked DCT for DeMo/SparseLoCo).
+* Row-wise quantizers (MuLoCo): :func:`statistical` (centroid tables) and
+  :func:`row_linear` (:mod:`~loc_opt.compression.statistical`).
 * Compressors: :func:`powersgd` (:mod:`~loc_opt.compression.powersgd`),
   :func:`terngrad` (:mod:`~loc_opt.compression.terngrad`), :func:`dgc`
   (:mod:`~loc_opt.compression.dgc`),
@@ -24,7 +26,7 @@
 Inside the package, modules import only from the layers below their own:
 the wire formats (``codecs``, ``comm``, ``packing``, ``quant``, ``sparse``,
 ``dct``); ``compressor``; ``feedback`` and the compressors (``dgc``,
-``powersgd``, ``terngrad``, ``lgreco``); ``all_reduce`` and ``registry``.
+``powersgd``, ``terngrad``, ``statistical``, ``lgreco``); ``all_reduce`` and ``registry``.
 ``loc_opt.parallel`` may import this package, never the reverse.
 """
 
@@ -36,12 +38,14 @@ from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
+from loc_opt.compression.compressor import all_of
 from loc_opt.compression.compressor import Compressor
 from loc_opt.compression.compressor import from_codec
 from loc_opt.compression.compressor import leafwise
 from loc_opt.compression.compressor import matrices
 from loc_opt.compression.compressor import min_size
 from loc_opt.compression.compressor import partition
+from loc_opt.compression.compressor import skip_paths
 from loc_opt.compression.feedback import ef21
 from loc_opt.compression.feedback import econtrol
 from loc_opt.compression.feedback import error_feedback
@@ -67,5 +71,7 @@ from loc_opt.compression.registry import make_codec
 from loc_opt.compression.registry import make_compressor
 from loc_opt.compression.registry import Scheme
 from loc_opt.compression.sparse import randomk_codec
+from loc_opt.compression.statistical import row_linear
+from loc_opt.compression.statistical import statistical
 from loc_opt.compression.sparse import topk_codec
 from loc_opt.compression.terngrad import terngrad

@@ -46,6 +46,7 @@ def build_compressor(
     *,
     error_feedback: str = 'none',
     econtrol_eta: float = 0.1,
+    ef_decay: float = 1.0,
     eligible: Eligible | None = None,
 ) -> Compressor:
   """``scheme`` wrapped in error feedback, applied to eligible leaves only.
@@ -56,8 +57,11 @@ def build_compressor(
       mean).
     error_feedback: ``'none'``, ``'ef'``, ``'ef21'`` or ``'econtrol'``.
     econtrol_eta: EControl's feedback strength.
+    ef_decay: the decay ``beta`` of classic error feedback,
+      ``e <- beta (p - C(p))`` (1: the plain recursion).
     eligible: ``(path, leaf) -> bool``; other leaves take an fp32 mean and
-      get no error buffer. ``None``: every leaf.
+      get no error buffer. ``None``: every leaf (see
+      :func:`~loc_opt.compression.skip_paths` for names).
 
   Returns:
     The compressor.
@@ -72,7 +76,8 @@ def build_compressor(
     raise ValueError(f'{scheme.name} keeps its own error feedback; use '
                      f'error_feedback=\'none\', not {error_feedback!r}')
   return compressor_lib.partition(
-      feedback_lib.with_feedback(scheme, error_feedback, eta=econtrol_eta),
+      feedback_lib.with_feedback(scheme, error_feedback, eta=econtrol_eta,
+                                 decay=ef_decay),
       eligible)
 
 
@@ -94,6 +99,7 @@ def compressed_all_reduce(
     *,
     error_feedback: str = 'none',
     econtrol_eta: float = 0.1,
+    ef_decay: float = 1.0,
     eligible: Eligible | None = None,
     start_step: int = 0,
     seed: int = 0,
@@ -119,6 +125,7 @@ def compressed_all_reduce(
       al. 2019), ``'ef21'`` (Richtárik et al. 2021) or ``'econtrol'`` (Gao et
       al. 2023); see :mod:`loc_opt.compression.feedback`.
     econtrol_eta: EControl's feedback strength.
+    ef_decay: classic error feedback's decay (``'ef'`` only).
     eligible: leaves to compress (``(path, leaf) -> bool``); the rest are
       averaged in fp32 and get no error-feedback state. ``None``: all.
     start_step: steps before this one use the plain fp32 mean (PowerSGD and
@@ -132,7 +139,8 @@ def compressed_all_reduce(
     all workers, in the gradients' dtypes.
   """
   compressor = build_compressor(scheme, error_feedback=error_feedback,
-                                econtrol_eta=econtrol_eta, eligible=eligible)
+                                econtrol_eta=econtrol_eta, ef_decay=ef_decay,
+                                eligible=eligible)
   comm = comm_lib.Comm(axis_name, spread_over)
   _checks.nonnegative_int(start_step, 'start_step')
 

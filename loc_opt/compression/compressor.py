@@ -282,6 +282,43 @@ def min_size(size: int) -> Eligible:
   return eligible
 
 
+def skip_paths(*substrings: str) -> Eligible:
+  """An eligibility predicate by name: leaves whose path contains none of
+  ``substrings`` (case-insensitive, on ``jax.tree_util.keystr(path)``).
+
+  MuLoCo sends norm gains (and, in its quantization sweeps, the embedding
+  and the output head) uncompressed and without error feedback::
+
+    eligible = skip_paths('norm', 'embed', 'head')
+
+  Args:
+    *substrings: parts of a path, e.g. ``'norm'`` matches
+      ``['layer_0']['attn_norm']['scale']``.
+
+  Returns:
+    ``(path, leaf) -> bool``.
+  """
+  parts = tuple(str(s).lower() for s in substrings)
+
+  def eligible(path, x):
+    del x
+    name = jax.tree_util.keystr(path).lower()
+    return not any(p in name for p in parts)
+
+  return eligible
+
+
+def all_of(*predicates: Eligible | None) -> Eligible | None:
+  """The leaves every predicate accepts (``None`` entries are ignored;
+  ``None`` if all are)."""
+  chosen = [p for p in predicates if p is not None]
+  if not chosen:
+    return None
+  if len(chosen) == 1:
+    return chosen[0]
+  return lambda path, x: all(p(path, x) for p in chosen)
+
+
 def matrices(path, x) -> bool:
   """An eligibility predicate: leaves with two or more dimensions."""
   del path

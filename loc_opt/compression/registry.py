@@ -23,6 +23,8 @@ from loc_opt.compression.dgc import dgc
 from loc_opt.compression.powersgd import powersgd
 from loc_opt.compression.quant import QUANT_CODECS
 from loc_opt.compression.sparse import SPARSE_CODECS
+from loc_opt.compression.statistical import row_linear
+from loc_opt.compression.statistical import statistical
 from loc_opt.compression.terngrad import terngrad
 
 Codec = codecs.Codec
@@ -38,6 +40,8 @@ COMPRESSORS: Mapping[str, Callable[..., Compressor]] = {
     'powersgd': powersgd,
     'terngrad': terngrad,
     'dgc': dgc,
+    'statistical': statistical,
+    'row_linear': row_linear,
 }
 
 

@@ -42,6 +42,8 @@ SCHEMES = {
     'terngrad': ({}, 0.07),
     'powersgd': ({'rank': 2}, 0.04),
     'dgc': ({'density': 0.01}, 0.035),  # 1-D leaves go in fp32
+    'statistical': ({}, 0.09),  # 2 bits + a 4-entry table per row
+    'row_linear': ({}, 0.075),
 }
 
 
