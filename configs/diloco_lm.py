@@ -121,13 +121,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.momentum = 0.9  # Outer momentum, in [0, 1).
   c.outer.nesterov = True  # Nesterov (True) or heavy-ball momentum.
   # What crosses workers: a name of loc_opt.compression.make_compressor
-  # ('none', 'int8', 'int4', 'fp4_e3m0', 'topk', 'powersgd', ...), for
-  # pseudo-gradients (DiLoCo) or gradients (compressed_data_parallel).
+  # ('none', 'int8', 'int4', 'fp4_e3m0', 'topk', 'powersgd', 'statistical',
+  # 'row_linear', ...), for pseudo-gradients (DiLoCo) or gradients
+  # (compressed_data_parallel).
   c.outer.codec = 'none'
   c.outer.codec_kwargs = {}  # The codec's arguments, e.g. {'rank': 4}.
   c.outer.error_feedback = 'none'  # 'none', 'ef', 'ef21' or 'econtrol'.
   c.outer.econtrol_eta = 0.1  # EControl's feedback strength.
+  c.outer.ef_decay = 1.0  # 'ef' only: e <- ef_decay * (p - C(p)), in [0, 1].
   c.outer.compress_min_size = 0  # Smaller leaves are sent uncompressed.
+  # Leaves whose path contains one of these (case-insensitive) are sent
+  # uncompressed in fp32, without error feedback, e.g. ('norm', 'embed',
+  # 'head') for MuLoCo's skip masks.
+  c.outer.compress_skip = ()
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section

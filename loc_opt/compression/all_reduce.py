@@ -31,30 +31,37 @@ import jax.numpy as jnp
 import optax
 
 from loc_opt import _checks
-from loc_opt.compression import codecs as codecs_lib
 from loc_opt.compression import comm as comm_lib
 from loc_opt.compression import compressor as compressor_lib
 from loc_opt.compression import feedback as feedback_lib
+from loc_opt.compression import registry
 
 Compressor = compressor_lib.Compressor
 Eligible = compressor_lib.Eligible
+Scheme = registry.Scheme
 
 
 def build_compressor(
-    scheme: 'Compressor | codecs_lib.Codec | None',
+    scheme: Scheme,
     *,
     error_feedback: str = 'none',
     econtrol_eta: float = 0.1,
+    ef_decay: float = 1.0,
     eligible: Eligible | None = None,
 ) -> Compressor:
   """``scheme`` wrapped in error feedback, applied to eligible leaves only.
 
   Args:
-    scheme: a compressor or codec (``None``: fp32 mean).
+    scheme: a compressor, codec, registered name or ``(name, kwargs)``
+      (see :func:`~loc_opt.compression.as_compressor`; ``None``: fp32
+      mean).
     error_feedback: ``'none'``, ``'ef'``, ``'ef21'`` or ``'econtrol'``.
     econtrol_eta: EControl's feedback strength.
+    ef_decay: the decay ``beta`` of classic error feedback,
+      ``e <- beta (p - C(p))`` (1: the plain recursion).
     eligible: ``(path, leaf) -> bool``; other leaves take an fp32 mean and
-      get no error buffer. ``None``: every leaf.
+      get no error buffer. ``None``: every leaf (see
+      :func:`~loc_opt.compression.skip_paths` for names).
 
   Returns:
     The compressor.
@@ -64,12 +71,13 @@ def build_compressor(
     scheme = build_compressor(compression.int8(), error_feedback='ef',
                               eligible=compression.min_size(1024))
   """
-  scheme = compressor_lib.as_compressor(scheme)
+  scheme = registry.as_compressor(scheme)
   if scheme.feedback and error_feedback != 'none':
     raise ValueError(f'{scheme.name} keeps its own error feedback; use '
                      f'error_feedback=\'none\', not {error_feedback!r}')
   return compressor_lib.partition(
-      feedback_lib.with_feedback(scheme, error_feedback, eta=econtrol_eta),
+      feedback_lib.with_feedback(scheme, error_feedback, eta=econtrol_eta,
+                                 decay=ef_decay),
       eligible)
 
 
@@ -86,11 +94,12 @@ class CompressedAllReduceState(NamedTuple):
 
 
 def compressed_all_reduce(
-    scheme: 'Compressor | codecs_lib.Codec',
+    scheme: Scheme,
     axis_name: str = 'worker',
     *,
     error_feedback: str = 'none',
     econtrol_eta: float = 0.1,
+    ef_decay: float = 1.0,
     eligible: Eligible | None = None,
     start_step: int = 0,
     seed: int = 0,
@@ -109,12 +118,14 @@ def compressed_all_reduce(
         optax.adamw(1e-3))
 
   Args:
-    scheme: a :class:`~loc_opt.compression.Compressor` or codec.
+    scheme: a :class:`~loc_opt.compression.Compressor`, codec, registered
+      name (``'int8'``) or ``(name, kwargs)``.
     axis_name: the worker axis.
     error_feedback: ``'none'``, ``'ef'`` (Seide et al. 2014; Karimireddy et
       al. 2019), ``'ef21'`` (Richtárik et al. 2021) or ``'econtrol'`` (Gao et
       al. 2023); see :mod:`loc_opt.compression.feedback`.
     econtrol_eta: EControl's feedback strength.
+    ef_decay: classic error feedback's decay (``'ef'`` only).
     eligible: leaves to compress (``(path, leaf) -> bool``); the rest are
       averaged in fp32 and get no error-feedback state. ``None``: all.
     start_step: steps before this one use the plain fp32 mean (PowerSGD and
@@ -128,7 +139,8 @@ def compressed_all_reduce(
     all workers, in the gradients' dtypes.
   """
   compressor = build_compressor(scheme, error_feedback=error_feedback,
-                                econtrol_eta=econtrol_eta, eligible=eligible)
+                                econtrol_eta=econtrol_eta, ef_decay=ef_decay,
+                                eligible=eligible)
   comm = comm_lib.Comm(axis_name, spread_over)
   _checks.nonnegative_int(start_step, 'start_step')
 
@@ -158,3 +170,30 @@ def compressed_all_reduce(
         optax.safe_increment(state.count), new)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def compressed_mean(tree: Any, scheme: Scheme, axis_name: str, *,
+                    key: jax.Array | None = None,
+                    spread_over=comm_lib.INNER_AXES) -> Any:
+  """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
+
+  For schemes with state (error feedback, PowerSGD warm starts) use
+  :func:`compressed_all_reduce` or ``loc_opt.diloco(..., codec=...)``, which
+  carry it across steps; here any state starts fresh and is dropped.
+
+  Args:
+    tree: this worker's pytree of float arrays.
+    scheme: a compressor, codec, registered name or ``(name, kwargs)``;
+      ``None`` is the fp32 mean.
+    axis_name: the worker axis.
+    key: PRNG key identical on all workers (default: ``key(0)``).
+    spread_over: within-worker mesh axes to spread payloads over.
+
+  Returns:
+    The mean, same structure, shapes and dtypes, identical on all workers.
+  """
+  compressor = registry.as_compressor(scheme)
+  comm = comm_lib.Comm(axis_name, spread_over)
+  key = jax.random.key(0) if key is None else key
+  mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
+  return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)

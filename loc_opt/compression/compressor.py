@@ -257,15 +257,21 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   return Compressor(name, lambda tree: (), mean, payload_bytes)
 
 
-def as_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:
-  """A compressor from a compressor, a codec, or ``None`` (fp32 mean)."""
+def to_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:
+  """A compressor from a compressor, a codec, or ``None`` (fp32 mean).
+
+  Names (``'int8'``) are resolved one layer up, by
+  :func:`loc_opt.compression.as_compressor`, which every library function
+  that takes a codec goes through.
+  """
   if scheme is None:
     return from_codec(codecs_lib.identity())
   if isinstance(scheme, codecs_lib.Codec):
     return from_codec(scheme)
   if isinstance(scheme, Compressor):
     return scheme
-  raise TypeError(f'expected a Compressor or Codec, got {type(scheme)}')
+  raise TypeError(f'expected a Compressor, Codec or codec name, got '
+                  f'{type(scheme)}')
 
 
 def min_size(size: int) -> Eligible:
@@ -274,6 +280,43 @@ def min_size(size: int) -> Eligible:
     del path
     return _size(x) >= size
   return eligible
+
+
+def skip_paths(*substrings: str) -> Eligible:
+  """An eligibility predicate by name: leaves whose path contains none of
+  ``substrings`` (case-insensitive, on ``jax.tree_util.keystr(path)``).
+
+  MuLoCo sends norm gains (and, in its quantization sweeps, the embedding
+  and the output head) uncompressed and without error feedback::
+
+    eligible = skip_paths('norm', 'embed', 'head')
+
+  Args:
+    *substrings: parts of a path, e.g. ``'norm'`` matches
+      ``['layer_0']['attn_norm']['scale']``.
+
+  Returns:
+    ``(path, leaf) -> bool``.
+  """
+  parts = tuple(str(s).lower() for s in substrings)
+
+  def eligible(path, x):
+    del x
+    name = jax.tree_util.keystr(path).lower()
+    return not any(p in name for p in parts)
+
+  return eligible
+
+
+def all_of(*predicates: Eligible | None) -> Eligible | None:
+  """The leaves every predicate accepts (``None`` entries are ignored;
+  ``None`` if all are)."""
+  chosen = [p for p in predicates if p is not None]
+  if not chosen:
+    return None
+  if len(chosen) == 1:
+    return chosen[0]
+  return lambda path, x: all(p(path, x) for p in chosen)
 
 
 def matrices(path, x) -> bool:
@@ -335,30 +378,3 @@ def partition(compressor: Compressor, eligible: Eligible | None) -> Compressor:
 
 def _size(x) -> int:
   return math.prod(x.shape)
-
-
-def compressed_mean(tree: Any, scheme: 'Compressor | codecs_lib.Codec | None',
-                    axis_name: str, *, key: jax.Array | None = None,
-                    spread_over=comm_lib.INNER_AXES) -> Any:
-  """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
-
-  For schemes with state (error feedback, PowerSGD warm starts) use
-  :func:`~loc_opt.compression.compressed_all_reduce` or
-  ``loc_opt.diloco(..., codec=...)``, which carry it across steps; here any
-  state starts fresh and is dropped.
-
-  Args:
-    tree: this worker's pytree of float arrays.
-    scheme: a compressor or codec; ``None`` is the fp32 mean.
-    axis_name: the worker axis.
-    key: PRNG key identical on all workers (default: ``key(0)``).
-    spread_over: within-worker mesh axes to spread payloads over.
-
-  Returns:
-    The mean, same structure, shapes and dtypes, identical on all workers.
-  """
-  compressor = as_compressor(scheme)
-  comm = comm_lib.Comm(axis_name, spread_over)
-  key = jax.random.key(0) if key is None else key
-  mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
-  return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)

@@ -52,16 +52,34 @@ class ErrorFeedbackState(NamedTuple):
   error: Any
 
 
-def error_feedback(compressor: Compressor) -> Compressor:
-  r"""Classic error feedback.
+def error_feedback(compressor: Compressor, decay: float = 1.0) -> Compressor:
+  r"""Classic error feedback, with an optional decay of the error.
 
   .. math::
 
-    p = g + e, \quad \text{send } C(p), \quad e \leftarrow p - C(p).
+    p = g + e, \quad \text{send } C(p), \quad
+    e \leftarrow \beta \, (p - C(p)).
 
-  The invariant ``e_old + g == transmitted + e_new`` holds exactly (up to
-  float rounding of one subtraction).
+  With ``decay = 1`` (``beta``, the default) the invariant
+  ``e_old + g == transmitted + e_new`` holds exactly (up to float rounding
+  of one subtraction). A decay below 1 forgets old errors geometrically;
+  it is MuLoCo's accumulator ``e <- beta e + Delta; e <- e - Q(e)`` written
+  with the decay applied when the residual is stored (the paper's sweeps
+  use ``beta = 0.9``).
+
+  Args:
+    compressor: the compressor to wrap.
+    decay: ``beta`` in ``[0, 1]``; 0 is no error feedback (but keeps the
+      buffer).
+
+  Returns:
+    The compressor.
+
+  References:
+    Thérien et al., *MuLoCo: Muon is a practical inner optimizer for
+    DiLoCo*, 2025 (the decay).
   """
+  decay = _checks.in_interval(decay, 'error feedback decay', 0, 1)
 
   def init(tree):
     return ErrorFeedbackState(compressor.init(tree), _zeros(tree))
@@ -69,9 +87,13 @@ def error_feedback(compressor: Compressor) -> Compressor:
   def mean(tree, state, comm, key):
     p = _add(compressor_lib.f32(tree), state.error)
     avg, sent, inner = compressor.mean(p, state.inner, comm, key)
-    return avg, sent, ErrorFeedbackState(inner, _sub(p, sent))
+    error = _sub(p, sent)
+    if decay != 1.0:
+      error = jax.tree.map(lambda e: decay * e, error)
+    return avg, sent, ErrorFeedbackState(inner, error)
 
-  return Compressor(f'ef({compressor.name})', init, mean,
+  name = 'ef' if decay == 1.0 else f'ef{decay:g}'
+  return Compressor(f'{name}({compressor.name})', init, mean,
                     compressor.payload_bytes, True)
 
 
@@ -172,16 +194,21 @@ def econtrol(compressor: Compressor, eta: float = 0.1) -> Compressor:
                     compressor.payload_bytes, True)
 
 
+# name -> (compressor, econtrol eta, ef decay) -> compressor
 FEEDBACK = {
-    'none': lambda compressor, eta: compressor,
-    'ef': lambda compressor, eta: error_feedback(compressor),
-    'ef21': lambda compressor, eta: ef21(compressor),
-    'econtrol': econtrol,
+    'none': lambda compressor, eta, decay: compressor,
+    'ef': lambda compressor, eta, decay: error_feedback(compressor, decay),
+    'ef21': lambda compressor, eta, decay: ef21(compressor),
+    'econtrol': lambda compressor, eta, decay: econtrol(compressor, eta),
 }
 
 
 def with_feedback(compressor: Compressor, mode: str, *,
-                  eta: float = 0.1) -> Compressor:
-  """Wraps ``compressor`` in the error feedback named ``mode``."""
+                  eta: float = 0.1, decay: float = 1.0) -> Compressor:
+  """Wraps ``compressor`` in the error feedback named ``mode`` (``eta``:
+  EControl's strength; ``decay``: classic EF's error decay)."""
+  if decay != 1.0 and mode != 'ef':
+    raise ValueError(f'an error-feedback decay ({decay}) applies to '
+                     f"error_feedback='ef' only, not {mode!r}")
   return FEEDBACK[_checks.one_of(mode, 'error feedback', FEEDBACK)](
-      compressor, eta)
+      compressor, eta, decay)

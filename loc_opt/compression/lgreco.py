@@ -55,7 +55,7 @@ def per_leaf(schemes: Sequence[Scheme], name: str = 'per_leaf') -> Compressor:
     The compressor; its state is a tuple of the schemes' states, each for a
     one-leaf list.
   """
-  compressors = tuple(compressor_lib.as_compressor(s) for s in schemes)
+  compressors = tuple(compressor_lib.to_compressor(s) for s in schemes)
 
   def check(leaves):
     if len(leaves) != len(compressors):
@@ -125,7 +125,7 @@ def lgreco_errors(tree: Any, candidates: Sequence[Scheme], *,
     ``[num_leaves, num_candidates]``.
   """
   key = jax.random.key(0) if key is None else key
-  comps = [compressor_lib.as_compressor(c) for c in candidates]
+  comps = [compressor_lib.to_compressor(c) for c in candidates]
   leaves = jax.tree.leaves(tree)
   errors = np.zeros((len(leaves), len(comps)), np.float64)
   sizes = np.zeros((len(leaves), len(comps)), np.int64)

@@ -4,6 +4,14 @@
 :func:`~loc_opt.compression.from_codec`) or of a stateful compressor. A
 ``value_codec`` given by name (top-k with 2-bit values) is resolved here, so
 configs can say ``{'value_codec': 'two_bit'}``.
+
+:func:`as_compressor` is the one door through which every library function
+that takes a codec (``loc_opt.diloco(..., codec=...)``,
+``streaming_diloco``, ``eager_diloco``, ``compressed_all_reduce``,
+``compressed_mean``) turns its argument into a compressor, so all of them
+accept a name (``codec='int8'``) or a name with arguments
+(``codec=('statistical', {'bits': 2})``) as well as a codec or compressor
+object.
 """
 
 from collections.abc import Callable, Mapping
@@ -15,6 +23,8 @@ from loc_opt.compression.dgc import dgc
 from loc_opt.compression.powersgd import powersgd
 from loc_opt.compression.quant import QUANT_CODECS
 from loc_opt.compression.sparse import SPARSE_CODECS
+from loc_opt.compression.statistical import row_linear
+from loc_opt.compression.statistical import statistical
 from loc_opt.compression.terngrad import terngrad
 
 Codec = codecs.Codec
@@ -30,7 +40,14 @@ COMPRESSORS: Mapping[str, Callable[..., Compressor]] = {
     'powersgd': powersgd,
     'terngrad': terngrad,
     'dgc': dgc,
+    'statistical': statistical,
+    'row_linear': row_linear,
 }
+
+
+# What a function that takes a codec accepts: an object, a registered name,
+# or ``(name, kwargs)``; ``None`` is the fp32 mean.
+Scheme = (Compressor | Codec | str | tuple[str, Mapping[str, Any]] | None)
 
 
 def _unknown(name: str, field: str, known) -> ValueError:
@@ -76,3 +93,37 @@ def make_compressor(name: str, *, field: str = 'outer.codec',
     return compressor_lib.from_codec(make_codec(name, field=field, **kwargs),
                                      reduce=reduce, workers=workers)
   raise _unknown(name, field, {**CODECS, **COMPRESSORS})
+
+
+def as_compressor(scheme: Scheme, *, field: str = 'codec') -> Compressor:
+  """A compressor from anything a codec argument accepts.
+
+  Args:
+    scheme: a :class:`~loc_opt.compression.Compressor`, a
+      :class:`~loc_opt.compression.Codec`, ``None`` (the fp32 mean), a name
+      of :data:`CODECS` or :data:`COMPRESSORS` (built with its defaults), or
+      ``(name, kwargs)`` with the factory's keyword arguments.
+    field: the argument or config field that gave ``scheme``, for errors.
+
+  Returns:
+    The compressor (codecs go through
+    :func:`~loc_opt.compression.from_codec`, all-gather reduction).
+
+  Raises:
+    ValueError: for an unknown name (the message lists the known ones).
+    TypeError: for anything else that is not a scheme.
+
+  Example:
+    >>> tx = loc_opt.diloco(optax.adamw(4e-4), sync_every=30,
+    ...                     codec=('statistical', {'bits': 2}))
+  """
+  if isinstance(scheme, str):
+    return make_compressor(scheme, field=field)
+  if isinstance(scheme, tuple) and len(scheme) == 2 and isinstance(
+      scheme[0], str):
+    name, kwargs = scheme
+    if not isinstance(kwargs, Mapping):
+      raise TypeError(f'{field}: expected (name, kwargs) with a dict of '
+                      f'keyword arguments, got {scheme!r}')
+    return make_compressor(name, field=field, **dict(kwargs))
+  return compressor_lib.to_compressor(scheme)

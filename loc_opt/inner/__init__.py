@@ -11,6 +11,8 @@ One module per algorithm, named after it:
   Dion (:mod:`~loc_opt.inner.dion`), Drop-Muon
   (:mod:`~loc_opt.inner.drop_muon`).
 * MT-DAO's multi-timescale Adam (:mod:`~loc_opt.inner.multi_timescale`).
+* MuLoCo's Muon + AdamW split by parameter path
+  (:mod:`~loc_opt.inner.muon_adamw`).
 * :func:`make_optimizer` / :data:`OPTIMIZERS`: every optimizer by name.
 
 Private machinery shared by several of them lives in underscore modules:
@@ -32,6 +34,8 @@ from loc_opt.inner.frugal import frugal
 from loc_opt.inner.frugal import scale_by_frugal
 from loc_opt.inner.multi_timescale import multi_timescale_adam
 from loc_opt.inner.multi_timescale import scale_by_multi_timescale
+from loc_opt.inner.muon_adamw import muon_adamw
+from loc_opt.inner.muon_adamw import muon_adamw_labels
 from loc_opt.inner.registry import make_optimizer
 from loc_opt.inner.registry import OPTIMIZERS
 from loc_opt.inner.spam import scale_by_spam

@@ -19,6 +19,7 @@ from loc_opt.inner.drop_muon import drop_muon
 from loc_opt.inner.fira import fira
 from loc_opt.inner.frugal import frugal
 from loc_opt.inner.multi_timescale import multi_timescale_adam
+from loc_opt.inner.muon_adamw import muon_adamw
 from loc_opt.inner.spam import spam
 from loc_opt.inner.stable_spam import stable_spam
 from loc_opt.inner.swan import swan
@@ -39,6 +40,9 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'fira': fira,
     'dion': dion,
     'drop_muon': drop_muon,
+    # MuLoCo's inner optimizer: Muon on hidden matrices, AdamW (its own
+    # learning rate) on embeddings, head and norms, chosen by path.
+    'muon_adamw': muon_adamw,
     # MT-DAO's inner optimizer (slow momenta mixed with the gradient).
     'multi_timescale_adam': multi_timescale_adam,
     # Schedule-free (evaluate at loc_opt.schedules.schedule_free_eval_params).
@@ -57,6 +61,7 @@ STATIC_ARGS: Mapping[str, tuple[str, ...]] = {
     'dion': ('rank', 'rank_fraction'),
     # Tuples: one entry per slow momentum (their count sets state shapes).
     'multi_timescale_adam': ('slow_betas', 'slow_weights'),
+    'muon_adamw': ('ns_steps', 'nesterov'),
 }
 
 

@@ -88,7 +88,7 @@ def num_params(params: Any) -> int:
 
 def pseudo_gradient_bytes(
     params: Any, dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None) -> int:
+    codec: compression.Scheme = None) -> int:
   """Bytes one worker sends per sync: its pseudo-gradient at ``dtype``, or
   the payload of ``codec`` when given."""
   if codec is not None:

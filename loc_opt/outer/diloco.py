@@ -80,7 +80,7 @@ def diloco(
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
     reduce_fn: Callable[[Any], Any] | None = None,
-    codec: compression.Compressor | compression.Codec | None = None,
+    codec: compression.Scheme = None,
     codec_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
@@ -141,7 +141,8 @@ def diloco(
       inside a worker do not each send their copy across workers.
     codec: compress the pseudo-gradients: a ``loc_opt.compression``
       compressor or codec (e.g. ``compression.int8()``, or one wrapped in
-      ``compression.error_feedback``). Only its payload crosses workers, each
+      ``compression.error_feedback``), a registered name (``'int8'``) or
+      ``(name, kwargs)`` (see ``compression.as_compressor``). Only its payload crosses workers, each
       element once per worker (spread over the worker's devices on a mesh);
       its state (error buffers) persists across syncs in ``codec_state``.
       Exclusive with ``reduce_fn``.
@@ -210,7 +211,7 @@ def local_sgd(
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
     reduce_fn: Callable[[Any], Any] | None = None,
-    codec: compression.Compressor | compression.Codec | None = None,
+    codec: compression.Scheme = None,
     codec_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.

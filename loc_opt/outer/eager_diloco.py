@@ -67,7 +67,7 @@ def eager_diloco(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None,
+    codec: compression.Scheme = None,
     codec_seed: int = 0,
     naive: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
@@ -109,7 +109,8 @@ def eager_diloco(
     anchor_dtype: the minimum precision of ``phi_m``, the outer state and the
       stored pseudo-gradients.
     codec: compress the pseudo-gradients (a ``loc_opt.compression`` codec or
-      compressor); its state persists across syncs.
+      compressor, a registered name such as ``'int8'``, or ``(name,
+      kwargs)``); its state persists across syncs.
     codec_seed: seed of the key shared by all workers at each sync.
     naive: use the stale average alone (the paper's naive delayed baseline).
 
@@ -183,7 +184,7 @@ def eager_eval_params(state: EagerDilocoState, params: optax.Params) -> Any:
 
 def eager_bytes(
     params: Any, dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None) -> int:
+    codec: compression.Scheme = None) -> int:
   """Bytes one worker sends per sync: its pseudo-gradient at ``dtype`` or
   the payload of ``codec`` (the same as DiLoCo; only the latency budget
   grows to a whole round)."""

@@ -405,7 +405,7 @@ def streaming_diloco(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None,
+    codec: compression.Scheme = None,
     codec_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Streaming DiLoCo: DiLoCo syncing one fragment at a time, overlapped.
@@ -469,8 +469,8 @@ def streaming_diloco(
     anchor_dtype: the minimum precision of the anchor, the outer state and
       the in-flight buffers.
     codec: compress the pseudo-gradients: a ``loc_opt.compression`` codec
-      or compressor, e.g. ``compression.fp4_codec('e3m0',
-      block_size=None)`` (one absmax scale per fragment payload). Each
+      or compressor or its name, e.g. ``('fp4_e3m0', {'block_size':
+      None})`` (one absmax scale per fragment payload). Each
       fragment keeps its own compressor state across syncs.
     codec_seed: seed of the key shared by all workers on each send (folded
       with the step count), for codecs that draw random numbers.
@@ -577,7 +577,7 @@ def fragment_bytes(
     params: Any,
     fragments: Any | FragmentFn,
     dtype: Any = jnp.float32,
-    codec: compression.Compressor | compression.Codec | None = None,
+    codec: compression.Scheme = None,
 ) -> list[int]:
   """Bytes one worker sends when each fragment syncs.
 

@@ -186,10 +186,11 @@ def outer_optimizer(config: ml_collections.ConfigDict
 def compressor_kwargs(config: ml_collections.ConfigDict
                       ) -> dict[str, Any]:
   """The arguments of ``compression.build_compressor`` that the ``outer``
-  section sets (``error_feedback``, ``econtrol_eta``); absent fields take
-  its defaults."""
+  section sets (``error_feedback``, ``econtrol_eta``, ``ef_decay``); absent
+  fields take its defaults."""
   cfg = config.outer
-  kwargs = {f: cfg[f] for f in ('error_feedback', 'econtrol_eta') if f in cfg}
+  kwargs = {f: cfg[f] for f in ('error_feedback', 'econtrol_eta', 'ef_decay')
+            if f in cfg}
   if 'error_feedback' in kwargs:
     _checks.one_of(kwargs['error_feedback'], 'outer.error_feedback',
                    compression.FEEDBACK)
@@ -239,8 +240,10 @@ def make_compressor(config: ml_collections.ConfigDict
 
   Fields: ``codec`` (a name of ``loc_opt.compression.make_compressor``),
   ``codec_kwargs`` (its arguments), ``error_feedback`` (``'none'``, ``'ef'``,
-  ``'ef21'``, ``'econtrol'``), ``econtrol_eta`` and ``compress_min_size``
-  (smaller leaves are sent in fp32 and get no error buffer).
+  ``'ef21'``, ``'econtrol'``), ``econtrol_eta``, ``ef_decay``, and the
+  leaves sent in fp32 without an error buffer: ``compress_min_size``
+  (smaller ones) and ``compress_skip`` (paths containing one of these
+  names).
   """
   cfg = config.outer
   codec_kwargs = plain(cfg.get('codec_kwargs') or {})
@@ -259,9 +262,14 @@ def make_compressor(config: ml_collections.ConfigDict
   kwargs = compressor_kwargs(config)
   min_size = _checks.nonnegative_int(cfg.compress_min_size,
                                      'outer.compress_min_size')
-  return compression.build_compressor(
-      scheme, eligible=compression.min_size(min_size) if min_size else None,
-      **kwargs)
+  skip = cfg.get('compress_skip') or ()
+  if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+    raise ValueError('outer.compress_skip must be a tuple of names, got '
+                     f'{skip!r}')
+  eligible = compression.all_of(
+      compression.min_size(min_size) if min_size else None,
+      compression.skip_paths(*skip) if skip else None)
+  return compression.build_compressor(scheme, eligible=eligible, **kwargs)
 
 
 def _lr_warmup_steps(config: ml_collections.ConfigDict) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loc_opt import parallel
-from loc_opt.compression import compressor
+from loc_opt.compression import all_reduce
 from loc_opt.compression import packing
 from loc_opt.compression import quant
 
@@ -360,7 +360,7 @@ def test_mean_on_a_mesh_moves_only_the_payload(name):
   x = jax.random.normal(jax.random.key(13), (4, n))
 
   def mean(v):
-    return compressor.compressed_mean(v, codec, 'worker')
+    return all_reduce.compressed_mean(v, codec, 'worker')
 
   sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P('worker')))
   fn = jax.jit(parallel.shard_map_workers(mean, mesh)).lower(

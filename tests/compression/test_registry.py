@@ -42,6 +42,8 @@ SCHEMES = {
     'terngrad': ({}, 0.07),
     'powersgd': ({'rank': 2}, 0.04),
     'dgc': ({'density': 0.01}, 0.035),  # 1-D leaves go in fp32
+    'statistical': ({}, 0.09),  # 2 bits + a 4-entry table per row
+    'row_linear': ({}, 0.075),
 }
 
 
@@ -155,3 +157,79 @@ def test_start_step_and_diloco_run_under_shard_map(name, kwargs, mesh):
       u2, s2 = sim(grads, s2, params)
       for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------- codecs by name ---
+def test_as_compressor_takes_names_and_name_kwargs_pairs():
+  assert compression.as_compressor('int8').name == 'int8'
+  assert compression.as_compressor(
+      ('int8', {'rounding': 'stochastic'})).name == 'int8_sr'
+  assert compression.as_compressor('powersgd').name.startswith('powersgd')
+  assert compression.as_compressor(None).name == 'none'
+  tree = {'w': jax.ShapeDtypeStruct((1024,), jnp.float32)}
+  assert (compression.as_compressor(('int8', {'block_size': 64}))
+          .payload_bytes(tree) == 1024 + 4 * 16)
+
+
+def test_as_compressor_refuses_unknown_names_listing_the_known_ones():
+  with pytest.raises(ValueError, match=r"unknown codec 'int3'.*'int8'"):
+    compression.as_compressor('int3')
+  with pytest.raises(ValueError, match='my_field'):
+    compression.as_compressor(('int3', {}), field='my_field')
+  with pytest.raises(TypeError, match='kwargs'):
+    compression.as_compressor(('int8', 64))
+  with pytest.raises(TypeError, match='codec name'):
+    compression.as_compressor(3)
+
+
+def _named_vs_object_runs(make_tx, name, kwargs, obj, steps=4):
+  """Trains 4 workers with ``make_tx(codec)`` under vmap, once with the
+  codec given by name and once as an object; returns both param trees."""
+  import optax  # pylint: disable=g-import-not-at-top
+  out = []
+  for codec in ((name, kwargs) if kwargs else name, obj):
+    tx = make_tx(codec)
+    params = jax.tree.map(lambda x: jnp.broadcast_to(x, (W,) + x.shape),
+                          {'w': jnp.ones((16, 8)), 'b': jnp.zeros((8,))})
+    state = jax.vmap(tx.init)(params)
+
+    def step(p, s, g, tx=tx):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    fn = jax.jit(jax.vmap(step, axis_name='worker'))
+    for i in range(steps):
+      grads = {'w': _normal_stack(i, (16, 8)), 'b': _normal_stack(i, (8,))}
+      params, state = fn(params, state, grads)
+    out.append(params)
+  return out
+
+
+def _normal_stack(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(
+      (W,) + shape), jnp.float32)
+
+
+@pytest.mark.parametrize('method', ['diloco', 'streaming_diloco',
+                                    'eager_diloco', 'compressed_all_reduce'])
+def test_every_function_that_takes_a_codec_takes_its_name(method):
+  import loc_opt  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  makers = {
+      'diloco': lambda c: loc_opt.diloco(optax.sgd(0.1), sync_every=2,
+                                         codec=c),
+      'streaming_diloco': lambda c: loc_opt.streaming_diloco(
+          optax.sgd(0.1), sync_every=4, fragments={'w': 1, 'b': 0},
+          codec=c),
+      'eager_diloco': lambda c: loc_opt.eager_diloco(
+          optax.sgd(0.1), sync_every=2, codec=c),
+      'compressed_all_reduce': lambda c: optax.chain(
+          compression.compressed_all_reduce(c, 'worker'), optax.sgd(0.1)),
+  }
+  named, obj = _named_vs_object_runs(
+      makers[method], 'int8', {'block_size': 64},
+      compression.int8_codec(64))
+  for a, b in zip(jax.tree.leaves(named), jax.tree.leaves(obj)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match='unknown codec'):
+    makers[method]('int3')

@@ -7,10 +7,11 @@ from configs import diloco_lm
 from loc_opt.train import config as cfg_lib
 
 
-def tiny_config(data_dir, **overrides):
-  """The default config shrunk to a 1-block LM on short sequences (H = 4);
-  ``overrides`` maps dotted fields to values."""
-  c = diloco_lm.get_config()
+def tiny_config(data_dir, base=diloco_lm, **overrides):
+  """The default config (or the config module ``base``'s) shrunk to a
+  1-block LM on short sequences (H = 4); ``overrides`` maps dotted fields to
+  values."""
+  c = base.get_config()
   c.num_steps = 12
   c.batch_size = 16
   c.data.eval_batch_size = 16

@@ -29,7 +29,7 @@ def test_outer_optimizer_defaults_are_diloco_s(data_dir):
 
 def test_compressor_defaults_are_the_library_defaults(data_dir):
   kwargs = cfg_lib.compressor_kwargs(tiny_config(data_dir))
-  assert set(kwargs) == {'error_feedback', 'econtrol_eta'}
+  assert set(kwargs) == {'error_feedback', 'econtrol_eta', 'ef_decay'}
   _check_defaults({compression.build_compressor: kwargs})
 
 
@@ -42,7 +42,7 @@ def test_spike_defaults_are_the_library_defaults(data_dir):
 
 def test_absent_fields_take_the_library_defaults(data_dir):
   config = tiny_config(data_dir)
-  for field in ('error_feedback', 'econtrol_eta'):
+  for field in ('error_feedback', 'econtrol_eta', 'ef_decay'):
     del config.outer[field]
   assert cfg_lib.compressor_kwargs(config) == {}
   optimizer = config.optimizer
@@ -71,3 +71,21 @@ def test_with_overrides_copies_and_sets_dotted_fields(data_dir):
                                           'mesh__workers': 2}, sep='__')
   assert (other.outer.sync_every, other.mesh.workers) == (9, 2)
   assert (config.outer.sync_every, config.mesh.workers) == (4, 4)
+
+
+def test_compress_skip_and_ef_decay_reach_the_compressor(data_dir):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  config = tiny_config(data_dir, **{
+      'outer.codec': 'statistical', 'outer.codec_kwargs': {'bits': 2},
+      'outer.error_feedback': 'ef', 'outer.ef_decay': 0.9,
+      'outer.compress_skip': ('norm', 'embed')})
+  c = cfg_lib.make_compressor(config)
+  assert c.name == 'partition(ef0.9(statistical2))'
+  tree = {'embed': {'embedding': jax.ShapeDtypeStruct((8, 4), jnp.float32)},
+          'norm': {'scale': jax.ShapeDtypeStruct((4,), jnp.float32)},
+          'mlp': {'kernel': jax.ShapeDtypeStruct((4, 8), jnp.float32)}}
+  assert c.payload_bytes(tree) == 4 * (32 + 4) + (4 * 2 + 4 * 4 * 5)
+  with pytest.raises(ValueError, match='compress_skip'):
+    cfg_lib.make_compressor(tiny_config(data_dir, **{
+        'outer.codec': 'int8', 'outer.compress_skip': ('norm', 3)}))
