@@ -1,12 +1,16 @@
 """Within-worker sharding of the trainer's programs: the collectives of an
 inner step, read from the compiled HLO, against ideal FSDP and Megatron."""
 
+import jax
+import numpy as np
 import pytest
 
 from configs import diloco_lm
 from loc_opt import models
 from loc_opt import parallel
+from loc_opt import train
 from loc_opt.train import experiment
+from tests.train import _helpers
 
 ideal = parallel.ideal
 D_MODEL, LAYERS, SEQ, ROWS = 256, 2, 128, 16
@@ -55,3 +59,36 @@ def test_inner_step_moves_about_ideal_fsdp_and_tensor_bytes(fsdp, tensor):
   # Now no collective carries the worker's whole batch.
   whole_batch = f'[{ROWS // 2},{SEQ},'
   assert not [c.shape for c in report.collectives if whole_batch in c.shape]
+
+
+def test_streaming_diloco_with_scanned_layers_trains_as_unrolled(
+    data_dir, tmp_path):
+  """Streaming DiLoCo on a scanned model (fragments split the stacked
+  leaves by layer) ends where the unrolled model does, workers=2 x fsdp=4,
+  P = 3 (non-block leaves, layer 0, layer 1)."""
+  summaries = {}
+  for scan in (False, True):
+    config = _helpers.tiny_config(data_dir, **{
+        'outer.method': 'streaming_diloco', 'outer.sync_every': 6,
+        'outer.streaming_diloco.num_fragments': 3,
+        'model.num_layers': 2, 'model.scan_layers': scan,
+        'mesh.workers': 2, 'mesh.data': 1, 'mesh.fsdp': 4,
+        'eval_every': 12, 'checkpoint_every': 0})
+    summaries[scan] = train.train_and_evaluate(config, tmp_path / str(scan))
+  unrolled, scanned = (summaries[s]['state']['params'] for s in (False,
+                                                                True))
+  for layer in range(2):
+    for want, got in zip(
+        jax.tree.leaves(unrolled[f'layer_{layer}']),
+        jax.tree.leaves(jax.tree.map(lambda x, i=layer: x[:, i],
+                                     scanned['layers']))):
+      np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+  for name in ('embed', 'head', 'final_norm'):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
+                                                         atol=2e-6),
+                 scanned[name], unrolled[name])
+  assert summaries[True]['syncs'] == summaries[False]['syncs']
+  assert summaries[True]['cross_worker_bytes'] == pytest.approx(
+      summaries[False]['cross_worker_bytes'], rel=0.02)
+  np.testing.assert_allclose(summaries[True]['final_eval_loss'],
+                             summaries[False]['final_eval_loss'], rtol=1e-4)
