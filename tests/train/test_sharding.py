@@ -92,3 +92,27 @@ def test_streaming_diloco_with_scanned_layers_trains_as_unrolled(
       summaries[False]['cross_worker_bytes'], rel=0.02)
   np.testing.assert_allclose(summaries[True]['final_eval_loss'],
                              summaries[False]['final_eval_loss'], rtol=1e-4)
+
+
+def test_data_parallel_step_applies_the_activation_constraints():
+  """Data parallel (no worker axis, plain jit) is traced with the mesh in
+  context: its batch is split over workers x fsdp like a DiLoCo worker's,
+  so its within-worker bytes are those of FSDP (they were 3x before, when
+  every fsdp device computed on its worker's whole batch), and the
+  gradients cross workers once (4 bytes x parameters per worker)."""
+  config = _config(4, 1)
+  config.outer.method = 'data_parallel'
+  exp = experiment.build_experiment(config)
+  report = parallel.collective_bytes(exp.programs.steps[exp.plan.inner],
+                                     exp.mesh)
+  layout = ideal.WorkerLayout(
+      data=1, fsdp=4, tensor=1, param_bytes=4 * exp.model.num_params,
+      rows=ROWS // 2, length=SEQ, d_model=D_MODEL, num_layers=LAYERS)
+  within = ideal.unrolled_bytes(report, cross_worker=False)
+  assert within <= 1.2 * 2 * ideal.inner_step_bytes(layout), \
+      report.summary()
+  assert report.cross_worker_bytes / 2 == pytest.approx(layout.param_bytes,
+                                                        rel=0.02)
+  for rows in (ROWS, ROWS // 2):
+    assert not [c.shape for c in report.collectives
+                if f'[{rows},{SEQ},' in c.shape]
