@@ -1,6 +1,7 @@
 """Streaming DiLoCo: sync one fragment of the model at a time, overlapped.
 
-The parameters are split into ``P`` fragments (groups of transformer blocks).
+The parameters are split into ``P`` fragments (groups of transformer blocks;
+with scanned layers, groups of rows of the stacked leaves).
 Each fragment is still synced once per ``H`` inner steps, as in DiLoCo, but
 the fragments take turns at evenly spread offsets, so at most ``1 / P`` of
 the model crosses workers on any step: the peak bandwidth drops ``P``-fold
@@ -17,8 +18,7 @@ References:
   Distributed Free Lunch*, 2025. https://arxiv.org/abs/2501.18512
 """
 
-from collections.abc import Callable, Hashable
-import re
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -27,13 +27,16 @@ import optax
 
 from loc_opt import _checks
 from loc_opt import compression
+from loc_opt.outer import _fragments
 from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
+from loc_opt.outer._fragments import fragment_bytes  # noqa: F401
+from loc_opt.outer._fragments import fragment_ids  # noqa: F401
+from loc_opt.outer._fragments import FragmentFn
+from loc_opt.outer._fragments import PATTERNS  # noqa: F401
 
-FragmentFn = Callable[[Any, Any], int]
 Phase = Hashable
 
-PATTERNS = ('strided', 'sequential')
 
 
 class StreamingDilocoState(NamedTuple):
@@ -44,8 +47,9 @@ class StreamingDilocoState(NamedTuple):
     anchor: the outer parameters ``phi`` (same tree as the params; dtype
       ``promote_types(param dtype, anchor_dtype)``, fp32 by default).
     outer_state: tuple of ``P`` outer optimizer states, entry ``p`` over the
-      list of fragment ``p``'s anchor leaves (in tree-flatten order).
-    in_flight: tuple of ``P`` lists (fragment ``p``'s leaves, anchor dtypes):
+      list of fragment ``p``'s anchor pieces (in tree-flatten order; a piece
+      is a whole leaf, or a stacked leaf's rows in the fragment).
+    in_flight: tuple of ``P`` lists (fragment ``p``'s pieces, anchor dtypes):
       the last averaged pseudo-gradient of each fragment, waiting ``tau``
       steps to be applied; ``()`` when ``overlap == 0``.
     count: int32 scalar, inner steps taken.
@@ -65,135 +69,6 @@ class StreamingDilocoState(NamedTuple):
   applies: jax.Array
   codec_state: Any = ()
   left_out: Any = 0
-
-
-# ------------------------------------------------------------ fragments ---
-def fragment_ids(
-    params: Any,
-    num_fragments: int,
-    *,
-    pattern: str = 'strided',
-    separate_non_block: bool = True,
-    block_pattern: str = r'layer_(\d+)',
-) -> Any:
-  r"""Which fragment each parameter leaf belongs to, from its key path.
-
-  A leaf belongs to block ``l`` when its path (keys joined by ``'/'``, e.g.
-  ``'layer_3/attn/query/kernel'``) matches ``block_pattern``, whose first
-  group is the block index; the other leaves (embeddings, final norm, head)
-  are *non-block* leaves. Blocks are ranked by index (so numbering need not
-  start at 0) and, with ``L`` blocks and ``Q`` fragments to spread them over,
-
-  * ``'strided'``: block of rank ``r`` goes to fragment ``r mod Q`` (the
-    paper's preferred pattern: each fragment spans the whole depth);
-  * ``'sequential'``: rank ``r`` goes to ``floor(r Q / L)`` (consecutive
-    groups whose sizes differ by at most one).
-
-  With ``separate_non_block`` (default) the non-block leaves form fragment 0
-  and the blocks are spread over fragments ``1 .. P-1`` (``Q = P - 1``, the
-  MaxText layout); otherwise ``Q = P`` and non-block leaves join fragment 0.
-  ``P = 1`` puts everything in fragment 0.
-
-  Args:
-    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
-    num_fragments: ``P``, a positive int.
-    pattern: ``'strided'`` or ``'sequential'``.
-    separate_non_block: whether non-block leaves get a fragment of their own.
-    block_pattern: regular expression whose first group is the block index.
-
-  Returns:
-    A tree of Python ints with the structure of ``params``.
-
-  Raises:
-    ValueError: if a fragment would be empty (too few blocks for
-      ``num_fragments``), or an argument is invalid.
-
-  Example:
-    >>> ids = fragment_ids(params, 3)  # non-block | even | odd layers
-  """
-  _checks.positive_int(num_fragments, 'num_fragments')
-  _checks.one_of(pattern, 'pattern', PATTERNS)
-  regex = re.compile(block_pattern)
-  if regex.groups < 1:
-    raise ValueError(
-        f'block_pattern needs a group for the block index: {block_pattern!r}')
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-  blocks = []
-  for path, _ in with_path:
-    found = regex.search(jax.tree_util.keystr(path, simple=True,
-                                              separator='/'))
-    blocks.append(None if found is None else int(found.group(1)))
-  rank = {b: r for r, b in enumerate(sorted({b for b in blocks
-                                             if b is not None}))}
-  num_blocks = len(rank)
-  p = num_fragments
-  if p == 1:
-    return treedef.unflatten([0] * len(blocks))
-  first, q = (1, p - 1) if separate_non_block else (0, p)
-
-  def of_block(b):
-    r = rank[b]
-    if pattern == 'strided':
-      return first + r % q
-    return first + r * q // num_blocks
-
-  ids = [0 if b is None else of_block(b) for b in blocks]
-  missing = sorted(set(range(p)) - set(ids))
-  if missing:
-    raise ValueError(
-        f'num_fragments={p} leaves fragments {missing} empty: the params have '
-        f'{num_blocks} blocks matching {block_pattern!r} and '
-        f'{sum(b is None for b in blocks)} non-block leaves '
-        f'(separate_non_block={separate_non_block})')
-  return treedef.unflatten(ids)
-
-
-def _leaf_fragments(params: Any, fragments: Any, num_fragments: int | None
-                    ) -> tuple[int, ...]:
-  """The fragment of each leaf of ``params`` (tree-flatten order); checks
-  that they cover ``0 .. num_fragments - 1`` (default: ``max + 1``)."""
-  if fragments is None:
-    ids = jax.tree.leaves(fragment_ids(params, num_fragments))
-  elif callable(fragments):
-    with_path, _ = jax.tree_util.tree_flatten_with_path(params)
-    ids = [fragments(path, leaf) for path, leaf in with_path]
-  else:
-    treedef = jax.tree.structure(params)
-    try:
-      ids = treedef.flatten_up_to(fragments)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          'fragments must be a tree of ints with the structure of the '
-          f'params: {e}') from e
-  ids = tuple(int(i) for i in ids)
-  if num_fragments is None:
-    num_fragments = max(ids) + 1 if ids else 1
-  bad = sorted({i for i in ids if not 0 <= i < num_fragments})
-  if bad:
-    raise ValueError(f'fragments holds ids {bad} outside [0, num_fragments='
-                     f'{num_fragments})')
-  missing = sorted(set(range(num_fragments)) - set(ids))
-  if missing:
-    raise ValueError(f'fragments {missing} of num_fragments={num_fragments} '
-                     'hold no parameter')
-  return ids
-
-
-def _groups(ids: tuple[int, ...], num_fragments: int) -> list[list[int]]:
-  return [[i for i, f in enumerate(ids) if f == p]
-          for p in range(num_fragments)]
-
-
-def _num_fragments(num_fragments: int | None, fragments: Any) -> int:
-  if num_fragments is not None:
-    return _checks.positive_int(num_fragments, 'num_fragments')
-  if fragments is None or callable(fragments):
-    raise ValueError('streaming_diloco needs num_fragments unless fragments '
-                     'is a tree of ints')
-  ids = [int(i) for i in jax.tree.leaves(fragments)]
-  if not ids:
-    raise ValueError('fragments is empty; pass num_fragments')
-  return max(ids) + 1
 
 
 # ------------------------------------------------------------- schedule ---
@@ -275,13 +150,14 @@ class _Config(NamedTuple):
 
 
 def _init(cfg: _Config, inner: optax.GradientTransformation,
-          params: optax.Params, groups: list[list[int]],
+          params: optax.Params, groups: list[list[_fragments.Piece]],
           anchor_dtype: Any) -> StreamingDilocoState:
   """The initial state: one outer state (and in-flight buffer, and codec
-  state) per fragment, over the list of its anchor leaves."""
+  state) per fragment, over the list of its anchor pieces."""
   anchor = _local.init_anchor(params, anchor_dtype)
   a_leaves = jax.tree.leaves(anchor)
-  parts = [[a_leaves[i] for i in g] for g in groups]
+  parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
+           for g in groups]
   zeros = jnp.zeros([cfg.num_fragments], jnp.int32)
   return StreamingDilocoState(
       inner_state=inner.init(params),
@@ -299,11 +175,12 @@ def _init(cfg: _Config, inner: optax.GradientTransformation,
 
 
 class _Step:
-  """One update: its settings, the state, and the leaves of the params, the
-  inner updates and the anchor (tree-flatten order)."""
+  """One update: its settings, the state, each fragment's pieces, and the
+  leaves of the params, the inner updates and the anchor (tree-flatten
+  order)."""
 
   def __init__(self, cfg: _Config, state: StreamingDilocoState,
-               groups: list[list[int]], params: optax.Params,
+               groups: list[list[_fragments.Piece]], params: optax.Params,
                inner_updates: optax.Updates, present: jax.Array | None):
     self.cfg, self.state, self.groups = cfg, state, groups
     self.present = present
@@ -311,17 +188,23 @@ class _Step:
     self.u_leaves = self.treedef.flatten_up_to(inner_updates)
     self.a_leaves = jax.tree.leaves(state.anchor)
 
-  def local(self, i: int) -> jax.Array:
-    """``theta' = theta + u`` of leaf ``i``, in params dtype."""
-    return optax.apply_updates(self.p_leaves[i], self.u_leaves[i])
+  def local(self, piece: _fragments.Piece) -> jax.Array:
+    """``theta' = theta + u`` of ``piece``, in params dtype."""
+    i, rows = piece
+    return optax.apply_updates(_fragments.take(self.p_leaves[i], rows),
+                               _fragments.take(self.u_leaves[i], rows))
+
+  def anchor(self, piece: _fragments.Piece) -> jax.Array:
+    """The anchor ``phi`` of ``piece``."""
+    return _fragments.take(self.a_leaves[piece.leaf], piece.rows)
 
   def mean_delta(self, p: int, codec_states: Any
                  ) -> tuple[list[Any], Any, jax.Array]:
     """Fragment ``p``'s mean (``_local.guarded_mean``), the codec states
     with fragment ``p``'s updated, and whether this worker entered it."""
-    cfg, idx = self.cfg, self.groups[p]
-    delta = _local.pseudo_gradient([self.a_leaves[i] for i in idx],
-                                   [self.local(i) for i in idx])
+    cfg, group = self.cfg, self.groups[p]
+    delta = _local.pseudo_gradient([self.anchor(pc) for pc in group],
+                                   [self.local(pc) for pc in group])
     state = () if cfg.compressor is None else codec_states[p]
     mean, _, cs, included = _local.guarded_mean(
         delta, state, self.present, compressor=cfg.compressor,
@@ -350,20 +233,21 @@ class _Step:
     if apply is not None:
       if cfg.overlap:
         mean = state.in_flight[apply]
-      idx = self.groups[apply]
-      part = [self.a_leaves[i] for i in idx]
+      group = self.groups[apply]
+      part = [self.anchor(pc) for pc in group]
       outer_updates, new_outer = cfg.outer.update(
           mean, outer_state[apply], part)
       part = optax.apply_updates(part, outer_updates)
       outer_state = (outer_state[:apply] + (new_outer,)
                      + outer_state[apply + 1:])
-      for i, a in zip(idx, part):
-        anchor[i] = a
+      for (i, rows), a in zip(group, part):
+        anchor[i] = _fragments.put(anchor[i], rows, a)
         target = a
         if cfg.alpha:
-          target = (cfg.alpha * self.local(i).astype(a.dtype)
+          target = (cfg.alpha * self.local((i, rows)).astype(a.dtype)
                     + (1 - cfg.alpha) * a)
-        out_u[i] = _local.updates_to(target, self.p_leaves[i])
+        out_u[i] = _fragments.put(out_u[i], rows, _local.updates_to(
+            target, _fragments.take(self.p_leaves[i], rows)))
       applies = applies + jax.nn.one_hot(apply, cfg.num_fragments,
                                          dtype=jnp.int32)
     return cfg.varying((out_u, anchor, outer_state, in_flight, codec_states,
@@ -454,10 +338,12 @@ def streaming_diloco(
     sync_every: ``H``, inner steps between two syncs of the same fragment; a
       multiple of the number of fragments.
     num_fragments: ``P``. Required unless ``fragments`` is a tree of ints.
-    fragments: which fragment each leaf belongs to: a tree of ints with the
-      params' structure, or ``(key_path, leaf) -> int``; default
-      ``fragment_ids(params, num_fragments)`` (strided blocks, non-block
-      leaves apart).
+    fragments: which fragment each leaf belongs to: a tree with the
+      params' structure whose entry for a leaf is an int, or for a stacked
+      leaf ``[L, ...]`` (scanned layers) a tuple of ``L`` ints, one per row;
+      or ``(key_path, leaf) -> int | tuple``; default ``fragment_ids(params,
+      num_fragments)`` (strided blocks, stacked rows placed as blocks,
+      non-block leaves apart).
     overlap: ``tau``, inner steps between a fragment's send and its outer
       update, ``0 <= tau < H / P``; default 1, the paper's headline setting
       (a sync may take as long as one inner step). 0: no overlap.
@@ -492,7 +378,7 @@ def streaming_diloco(
     Douillard et al., *Streaming DiLoCo with overlapping communication:
     Towards a Distributed Free Lunch*, 2025.
   """
-  p_count = _num_fragments(num_fragments, fragments)
+  p_count = _fragments.num_fragments_of(num_fragments, fragments)
   _check_schedule(sync_every, p_count, overlap)
   if alpha is None:
     alpha = 0.5 if overlap > 0 else 0.0
@@ -508,7 +394,8 @@ def streaming_diloco(
       codec_seed=codec_seed)
 
   def split(params):
-    return _groups(_leaf_fragments(params, fragments, p_count), p_count)
+    return _fragments.pieces(
+        _fragments.leaf_fragments(params, fragments, p_count), p_count)
 
   def init_fn(params):
     return _init(cfg, inner, params, split(params), anchor_dtype)
@@ -571,30 +458,3 @@ def streaming_eval_params(state: StreamingDilocoState, params: optax.Params
   sync (Streaming DiLoCo, Table 3, evaluates the outer parameters).
   """
   return _local.cast_like(state.anchor, params)
-
-
-def fragment_bytes(
-    params: Any,
-    fragments: Any | FragmentFn,
-    dtype: Any = jnp.float32,
-    codec: compression.Scheme = None,
-) -> list[int]:
-  """Bytes one worker sends when each fragment syncs.
-
-  Args:
-    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
-    fragments: a tree of ints with the params' structure (e.g. from
-      :func:`fragment_ids`) or ``(key_path, leaf) -> int``.
-    dtype: the wire dtype without a codec (fp32, the anchor dtype, by
-      default).
-    codec: the codec or compressor of :func:`streaming_diloco`, if any.
-
-  Returns:
-    ``[bytes of fragment 0, ..., bytes of fragment P-1]``; their sum is the
-    bytes DiLoCo sends per sync at the same wire format.
-  """
-  leaves = jax.tree.leaves(params)
-  ids = _leaf_fragments(params, fragments, None)
-  groups = _groups(ids, max(ids) + 1)
-  return [_local.pseudo_gradient_bytes([leaves[i] for i in g], dtype, codec)
-          for g in groups]

@@ -14,6 +14,7 @@ keeps sharding the model inside each worker.
 """
 
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -212,8 +213,13 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
                    donate_argnums=0)
 
   def compile_phase(phase):
-    compiled = make_step(phase).lower(abstract_state,
-                                      abstract_batch).compile()
+    # A method without a worker axis (data parallel) is traced with the mesh
+    # in context, so that the model's activation constraints apply as they
+    # do inside ``shard_map`` (there the mesh comes with the shard_map).
+    with (contextlib.nullcontext() if method.per_worker
+          else jax.set_mesh(mesh)):
+      lowered = make_step(phase).lower(abstract_state, abstract_batch)
+    compiled = lowered.compile()
     return compiled, parallel.collective_bytes(compiled, mesh)
 
   steps = StepPrograms(compile_phase, phases)

@@ -84,12 +84,24 @@ def test_compile_time_is_flat_in_depth():
   assert runs[0][1][1] < 1.1 * runs[0][0][1]
 
 
-def test_streaming_fragments_need_unstacked_blocks():
-  config = dataclasses.replace(TINY, scan_layers=True)
-  shapes = jax.eval_shape(models.build_transformer(config).init,
-                          jax.random.key(0))
-  with pytest.raises(ValueError, match='empty'):
-    outer.fragment_ids(shapes, 3)
+@pytest.mark.parametrize('pattern', ['strided', 'sequential'])
+def test_streaming_fragments_split_stacked_blocks_by_layer(pattern):
+  """Each row of a stacked leaf goes to the fragment of its unrolled block."""
+  shapes = {}
+  for scan in (False, True):
+    config = dataclasses.replace(TINY, scan_layers=scan)
+    shapes[scan] = jax.eval_shape(models.build_transformer(config).init,
+                                  jax.random.key(0))
+  unrolled = outer.fragment_ids(shapes[False], 3, pattern=pattern)
+  stacked = outer.fragment_ids(shapes[True], 3, pattern=pattern)
+  for name in ('attn', 'mlp_norm'):
+    want = tuple(jax.tree.leaves(unrolled[f'layer_{i}'][name])[0]
+                 for i in range(TINY.num_layers))
+    assert set(map(tuple, jax.tree.leaves(
+        stacked['layers'][name], is_leaf=lambda x: isinstance(x, tuple)))
+               ) == {want}
+  assert outer.fragment_bytes(shapes[True], stacked) == \
+      outer.fragment_bytes(shapes[False], unrolled)
 
 
 def test_bad_remat_or_scan_values_raise():

@@ -394,3 +394,179 @@ def test_dropout_and_non_finite_fragment_as_diloco():
   np.testing.assert_array_equal(s_state.left_out, [0, 1, 0, 1])
   np.testing.assert_array_equal(d_state.left_out, [0, 1, 0, 1])
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got))
+
+
+# ------------------------------------------------------ stacked layers ---
+def stacked_lm_params(num_layers, shape=(4, 2)):
+  """:func:`lm_params` with the blocks stacked on a leading axis, named as
+  the reference LM with ``model.scan_layers`` (``layers/...``)."""
+  params = lm_params(0, shape)
+  params['layers'] = {
+      'attn': {'query': {'kernel': jnp.zeros((num_layers,) + shape)}},
+      'mlp': {'wi': {'kernel': jnp.zeros((num_layers,) + shape)}}}
+  return params
+
+
+@pytest.mark.parametrize('layers,p,pattern', [
+    (5, 3, 'strided'), (5, 4, 'sequential'), (2, 2, 'sequential'),
+    (4, 3, 'sequential')])
+def test_fragment_ids_split_stacked_leaves_like_blocks(layers, p, pattern):
+  want, _ = block_fragments(
+      outer.fragment_ids(lm_params(layers), p, pattern=pattern), layers)
+  ids = outer.fragment_ids(stacked_lm_params(layers), p, pattern=pattern)
+  rows = ids['layers']['attn']['query']['kernel']
+  assert rows == ids['layers']['mlp']['wi']['kernel']
+  assert rows == tuple(want[layer] for layer in range(layers))
+  assert {ids['embed']['embedding'], ids['head']['kernel']} == {0}
+  # Bytes follow the rows: the same fragments as the unrolled blocks.
+  assert outer.fragment_bytes(stacked_lm_params(layers), ids) == \
+      outer.fragment_bytes(lm_params(layers), outer.fragment_ids(
+          lm_params(layers), p, pattern=pattern))
+  with pytest.raises(ValueError, match='num_fragments'):
+    outer.fragment_ids(stacked_lm_params(layers), layers + 2)
+
+
+def test_bad_row_ids_raise():
+  params = {'layers': {'w': jnp.zeros((3, 2))}, 'head': jnp.zeros(2)}
+  tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                              fragments={'layers': {'w': (1, 0)}, 'head': 0})
+  with pytest.raises(ValueError, match='one per row'):
+    tx.init(params)
+
+
+DEPTH = 4
+
+
+def deep_loss(params, batch):
+  """A 4 -> 3 model with ``DEPTH`` tanh blocks, on the unrolled tree."""
+  x, y = batch
+  h = x @ params['embed']
+  for layer in range(DEPTH):
+    h = jnp.tanh(h @ params[f'layer_{layer}']['w'] + params[
+        f'layer_{layer}']['b'])
+  return jnp.mean((h @ params['head'] - y) ** 2)
+
+
+def deep_params():
+  keys = jax.random.split(jax.random.key(3), 2 + 2 * DEPTH)
+  params = {'embed': jax.random.normal(keys[0], (4, 4)),
+            'head': jax.random.normal(keys[1], (4, 3))}
+  for layer in range(DEPTH):
+    params[f'layer_{layer}'] = {
+        'w': jax.random.normal(keys[2 + 2 * layer], (4, 4)) / 2,
+        'b': jax.random.normal(keys[3 + 2 * layer], (4,)) / 4}
+  return params
+
+
+def stack_layers(params):
+  """The unrolled tree with its blocks stacked under ``layers``."""
+  blocks = [params[f'layer_{layer}'] for layer in range(DEPTH)]
+  out = {k: v for k, v in params.items() if not k.startswith('layer_')}
+  out['layers'] = jax.tree.map(lambda *x: jnp.stack(x), *blocks)
+  return out
+
+
+def unstack_layers(params, axis=0):
+  """The inverse of :func:`stack_layers` (layers on axis ``axis``)."""
+  out = {k: v for k, v in params.items() if k != 'layers'}
+  for layer in range(DEPTH):
+    out[f'layer_{layer}'] = jax.tree.map(
+        lambda x, layer=layer: jnp.take(x, layer, axis=axis),
+        params['layers'])
+  return out
+
+
+def run_deep(tx, params, steps, loss):
+  step = jax.jit(parallel.vmap_workers(helpers.train_step(tx, loss=loss)))
+  params = helpers.stack(params)
+  state = jax.vmap(tx.init)(params)
+  for i in range(steps):
+    params, state = step(params, state, helpers.worker_batches(i))
+  return params, state
+
+
+def odd_rows(path, leaf):
+  """Rows 0, 1, 3 of the stacked leaves in fragment 1 (a gather / scatter,
+  not a slice), row 2 in fragment 2; the unrolled twin by block name."""
+  name = jax.tree_util.keystr(path, simple=True, separator='/')
+  if name.startswith('layers/'):
+    return (1, 1, 2, 1)
+  if name.startswith('layer_'):
+    return 2 if name.startswith('layer_2') else 1
+  del leaf
+  return 0
+
+
+@pytest.mark.parametrize('pattern,tau,codec', [
+    ('strided', 1, None), ('sequential', 0, None), ('strided', 1, 'fp4'),
+    (odd_rows, 1, None)])
+def test_stacked_layers_train_as_unrolled(pattern, tau, codec):
+  """Streaming DiLoCo over a tree whose blocks are stacked on a leading
+  axis gives the numbers of the same blocks as separate leaves."""
+  if codec == 'fp4':
+    codec = compression.error_feedback(compression.as_compressor(
+        compression.fp4_codec('e3m0', block_size=None)))
+
+  def make(tree):
+    fragments = pattern if callable(pattern) else outer.fragment_ids(
+        tree, 3, pattern=pattern)
+    return outer.streaming_diloco(
+        optax.adam(3e-2), sync_every=6, num_fragments=3, overlap=tau,
+        fragments=fragments, codec=codec,
+        outer=loc_opt.outer.nesterov_outer(0.7, 0.9))
+
+  steps = 2 * 6 + tau + 1
+  want, want_state = run_deep(make(deep_params()), deep_params(), steps,
+                              deep_loss)
+  got, state = run_deep(make(stack_layers(deep_params())),
+                        stack_layers(deep_params()), steps,
+                        lambda p, b: deep_loss(unstack_layers(p), b))
+  conf.assert_trees_close(unstack_layers(got, axis=1), want, rtol=1e-5,
+                          atol=1e-6)
+  conf.assert_trees_close(unstack_layers(state.anchor, axis=1),
+                          want_state.anchor, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(state.sends, want_state.sends)
+  # Workers agree on each fragment's anchor, which moved off the start.
+  for leaf in jax.tree.leaves(state.anchor):
+    np.testing.assert_allclose(leaf[0], leaf[-1], rtol=1e-6)
+  start = stack_layers(deep_params())['layers']['w']
+  moved = np.abs(np.asarray(state.anchor['layers']['w'][0]) - start)
+  assert (moved.reshape(DEPTH, -1).max(1) > 0).all()
+
+
+def stacked_hlo_params():
+  """:func:`hlo_params` with the four blocks stacked: still three equal
+  fragments of 1,024 parameters (P = 3, strided)."""
+  return {'embed': {'embedding': jnp.zeros(HLO_SHAPE)},
+          'head': {'kernel': jnp.zeros(HLO_SHAPE[::-1])},
+          'layers': {'w': jnp.zeros((4,) + HLO_SHAPE)}}
+
+
+@pytest.mark.parametrize('pattern', ['strided', 'sequential'])
+def test_hlo_bytes_per_phase_with_stacked_layers(pattern):
+  """Each send phase moves its own rows of the stacked leaf: 1 / P of
+  DiLoCo's sync, read from the compiled HLO."""
+  mesh = parallel.make_worker_mesh(M, data=2)
+  params = helpers.stack(stacked_hlo_params())
+  p, h = 3, 6
+  ids = outer.fragment_ids(stacked_hlo_params(), p, pattern=pattern)
+  assert ids['layers']['w'] == {'strided': (1, 2, 1, 2),
+                                'sequential': (1, 1, 2, 2)}[pattern]
+  theory = outer.fragment_bytes(stacked_hlo_params(), ids)
+  assert theory == [4096] * 3
+  dense = loc_opt.diloco(optax.sgd(0.1), sync_every=h,
+                         reduce_fn=parallel.worker_mean())
+  total = helpers.phase_report(dense, params, True,
+                               mesh).cross_worker_bytes_per_worker
+  np.testing.assert_allclose(total, sum(theory), rtol=0.1)
+  tx = outer.streaming_diloco(optax.sgd(0.1), sync_every=h, num_fragments=p,
+                              fragments=ids, overlap=1)
+  got = {}
+  for phase in [(q, None) for q in range(p)] + [False, (None, 1)]:
+    report = helpers.phase_report(tx, params, phase, mesh)
+    got[phase] = report.cross_worker_bytes_per_worker
+    assert report.cross_worker_bytes_range[0] == report.cross_worker_bytes
+  assert got[False] == got[(None, 1)] == 0
+  for q in range(p):
+    np.testing.assert_allclose(got[(q, None)], theory[q], rtol=0.1)
+  np.testing.assert_allclose(max(got.values()) / total, 1 / p, rtol=0.1)
