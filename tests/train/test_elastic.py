@@ -66,9 +66,9 @@ def _check_carried(old, new, method):
   return keep
 
 
+# local_sgd is diloco with outer SGD(1): the same state, resized alike.
 @pytest.mark.slow
-@pytest.mark.parametrize('method', ['diloco', 'local_sgd',
-                                    'streaming_diloco'])
+@pytest.mark.parametrize('method', ['diloco', 'streaming_diloco'])
 def test_four_to_two_workers(data_dir, tmp_path, capfd, method):
   extra = {'outer.method': method, **CASES[method], 'checkpoint_every': 6}
   config = _config(data_dir, 4, halt_after_steps=6, **extra)

@@ -7,6 +7,7 @@ import pytest
 
 from configs import diloco_lm
 from loc_opt import models
+from loc_opt import outer
 from loc_opt import parallel
 from loc_opt import train
 from loc_opt.train import experiment
@@ -61,37 +62,30 @@ def test_inner_step_moves_about_ideal_fsdp_and_tensor_bytes(fsdp, tensor):
   assert not [c.shape for c in report.collectives if whole_batch in c.shape]
 
 
-def test_streaming_diloco_with_scanned_layers_trains_as_unrolled(
-    data_dir, tmp_path):
-  """Streaming DiLoCo on a scanned model (fragments split the stacked
-  leaves by layer) ends where the unrolled model does, workers=2 x fsdp=4,
-  P = 3 (non-block leaves, layer 0, layer 1)."""
-  summaries = {}
-  for scan in (False, True):
-    config = _helpers.tiny_config(data_dir, **{
-        'outer.method': 'streaming_diloco', 'outer.sync_every': 6,
-        'outer.streaming_diloco.num_fragments': 3,
-        'model.num_layers': 2, 'model.scan_layers': scan,
-        'mesh.workers': 2, 'mesh.data': 1, 'mesh.fsdp': 4,
-        'eval_every': 12, 'checkpoint_every': 0})
-    summaries[scan] = train.train_and_evaluate(config, tmp_path / str(scan))
-  unrolled, scanned = (summaries[s]['state']['params'] for s in (False,
-                                                                True))
-  for layer in range(2):
-    for want, got in zip(
-        jax.tree.leaves(unrolled[f'layer_{layer}']),
-        jax.tree.leaves(jax.tree.map(lambda x, i=layer: x[:, i],
-                                     scanned['layers']))):
-      np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
-  for name in ('embed', 'head', 'final_norm'):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4,
-                                                         atol=2e-6),
-                 scanned[name], unrolled[name])
-  assert summaries[True]['syncs'] == summaries[False]['syncs']
-  assert summaries[True]['cross_worker_bytes'] == pytest.approx(
-      summaries[False]['cross_worker_bytes'], rel=0.02)
-  np.testing.assert_allclose(summaries[True]['final_eval_loss'],
-                             summaries[False]['final_eval_loss'], rtol=1e-4)
+def test_streaming_diloco_with_scanned_layers_trains(data_dir, tmp_path):
+  """Streaming DiLoCo on a scanned model in the trainer (fragments split the
+  stacked leaves by layer), workers=2 x data=2 x fsdp=2, one round of
+  P = 3 (non-block leaves, layer 0, layer 1): every fragment syncs once and
+  moves its share of the parameters. That the stacked run equals the
+  unrolled one is shown at the library level
+  (``tests/outer/test_streaming_diloco.py``)."""
+  config = _helpers.tiny_config(data_dir, **{
+      'outer.method': 'streaming_diloco', 'outer.sync_every': 6,
+      'outer.streaming_diloco.num_fragments': 3,
+      'outer.streaming_diloco.overlap': 0,
+      'model.num_layers': 2, 'model.scan_layers': True,
+      'mesh.workers': 2, 'mesh.data': 2, 'mesh.fsdp': 2,
+      'num_steps': 6, 'eval_every': 6, 'checkpoint_every': 0})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['syncs'] == 3
+  assert np.isfinite(summary['final_eval_loss'])
+  params = summary['state']['params']
+  fragments = outer.fragment_ids(jax.tree.map(lambda x: x[0], params), 3)
+  want = sum(outer.fragment_bytes(
+      jax.tree.map(lambda x: x[0], params), fragments))
+  # Each fragment crossed once: together one fp32 copy per worker (the
+  # spread over the worker's devices pads each leaf a little).
+  assert summary['cross_worker_bytes'] / 2 == pytest.approx(want, rel=0.05)
 
 
 def test_data_parallel_step_applies_the_activation_constraints():
