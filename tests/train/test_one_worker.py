@@ -8,9 +8,10 @@ from loc_opt import train
 from tests.train._helpers import tiny_config
 
 
+# Every method runs at M = 1 through the same runner
+# (tests/parallel/test_runners.py checks it); DiLoCo end to end here.
 @pytest.mark.parametrize('method, layouts', [
     ('diloco', ({'mesh.data': 8}, {'mesh.data': 2, 'mesh.fsdp': 4})),
-    ('eager_diloco', ({'mesh.data': 8},)),
 ])
 def test_one_worker_runs_on_eight_devices_as_on_any_layout(
     data_dir, tmp_path, method, layouts):
