@@ -174,17 +174,18 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
+def select_leaf(pred: jax.Array, new: jax.Array, old: jax.Array
+                ) -> jax.Array:
+  """``new`` where ``pred`` else ``old`` (PRNG keys through their data)."""
+  if jnp.issubdtype(new.dtype, jax.dtypes.prng_key):
+    data = jnp.where(pred, jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+  return jnp.where(pred, new, old)
+
+
 def _select(pred: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``pred`` else ``old``, leaf by leaf (PRNG keys through
-  their data)."""
-
-  def pick(n, o):
-    if jnp.issubdtype(n.dtype, jax.dtypes.prng_key):
-      data = jnp.where(pred, jax.random.key_data(n), jax.random.key_data(o))
-      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
-    return jnp.where(pred, n, o)
-
-  return jax.tree.map(pick, new, old)
+  """:func:`select_leaf` over two trees."""
+  return jax.tree.map(lambda n, o: select_leaf(pred, n, o), new, old)
 
 
 def present_mean(delta: Any, codec_state: Any, present: jax.Array, *,

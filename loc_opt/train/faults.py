@@ -45,6 +45,7 @@ import ml_collections
 import numpy as np
 
 from loc_opt import _checks
+from loc_opt.outer import _local
 from loc_opt.train import hosts
 
 
@@ -149,11 +150,9 @@ def init(workers: int | None) -> dict[str, jax.Array]:
   return {'bad_steps': zeros, 'bad_streak': zeros}
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every float leaf of ``tree`` is finite."""
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-           if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+# Whether every element of every float leaf of a tree is finite (the check
+# the DiLoCo family's mean uses too).
+all_finite = _local.all_finite
 
 
 def inject(grads: Any, step: jax.Array, worker: jax.Array | None,
@@ -170,12 +169,7 @@ def inject(grads: Any, step: jax.Array, worker: jax.Array | None,
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _keep(ok: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-  """``new`` where ``ok`` else ``old`` (PRNG keys through their data)."""
-  if jnp.issubdtype(new.dtype, jax.dtypes.prng_key):
-    data = jnp.where(ok, jax.random.key_data(new), jax.random.key_data(old))
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
-  return jnp.where(ok, new, old)
+_keep = _local.select_leaf  # new where ok else old (PRNG keys too)
 
 
 def keep_if(ok: jax.Array, new: Any, old: Any, take_new: Any = None) -> Any:
