@@ -107,7 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'compressed_data_parallel', or one of the DiLoCo family below, each with
   # its section outer.<method>: 'streaming_diloco', 'eager_diloco', 'noloco',
   # 'demo', 'sparseloco', 'desloc', 'mt_dao', 'async_local_sgd',
-  # 'edit_diloco', 'co2'.
+  # 'edit_diloco', 'co2', 'decoupled_diloco'.
   c.outer.method = 'diloco'
   c.outer.sync_every = 50  # H: inner steps between syncs (<= num_steps).
   # How H changes over the run: a name of loc_opt.schedules.SYNC_SCHEDULES:
@@ -210,6 +210,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.staleness_penalty = 1.0  # lambda.
   s.clip = 1.0  # Element-wise clip of the momentum (0 = none).
 
+  # Decoupled DiLoCo ('decoupled_diloco'): learners on their own clocks
+  # (speeds: wallclock.worker_speeds; failures: faults.failures / chaos); a
+  # syncer merges each fragment once `quorum` learners reported, after a
+  # grace window. Outer step: learning_rate, momentum above, per fragment.
+  # See docs/decoupled_diloco.md.
+  s = c.outer.decoupled_diloco = ml_collections.ConfigDict()
+  s.num_fragments = 5  # P: balanced bins of whole tensors (H % P == 0).
+  s.overlap = 2  # tau: inner steps a sync may overlap (the grace slack).
+  s.quorum = 1  # K: learners needed before a fragment merges.
+  s.grace = 0.2  # gamma: fraction of the slack to wait after quorum.
+  s.grace_cap = 1.0  # Longest grace window, in steps of the fastest.
+  s.sync_steps = 1.0  # Steps from a merge to its arrival at the learners.
+  s.jitter = 0.0  # Std of the log of each inner step's duration.
+  s.merge = 'rda'  # 'rda' (embeddings averaged) or 'average'.
+  s.rda_scope = 'leaf'  # RDA per 'leaf' or per 'fragment'.
+  s.weighting = 'tokens'  # tokens^2 / steps per learner, or 'uniform'.
+  s.alpha = 0.0  # Weight of the local copy on receipt (0: overwrite).
+  s.rejoin_state = 'keep'  # A returning learner's inner state: or 'fresh',
+  # 'peer' (copied from a live learner).
+
   # Non-finite steps (loc_opt.train.faults): a worker skips an inner step
   # whose loss or gradients are NaN / Inf (zeros them on a step that syncs);
   # bad steps are counted (metrics faults/bad_steps).
@@ -230,6 +250,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # And at this fraction of the syncs (drawn from the seed) one worker,
   # drawn too, misses the sync.
   c.faults.drop_fraction = 0.0
+  # Learner failures (decoupled_diloco): (worker, start step, steps down)
+  # triples; a returning learner rejoins from the global fragments.
+  c.faults.failures = ()
+  # And a chaos model: each learner fails after exponential times with this
+  # mean (steps; 0 = off) and stays down chaos_downtime_steps.
+  c.faults.chaos_mtbf_steps = 0.0
+  c.faults.chaos_downtime_steps = 0.0
 
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the

@@ -15,6 +15,7 @@ from loc_opt.outer import DilocoState
 from loc_opt.outer import local_sgd
 from loc_opt.outer import async_local_sgd
 from loc_opt.outer import co2
+from loc_opt.outer import decoupled_diloco
 from loc_opt.outer import edit_diloco
 from loc_opt.outer import delayed_nesterov
 from loc_opt.outer import demo

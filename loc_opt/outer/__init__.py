@@ -15,6 +15,9 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
 * DES-LOC, Local Adam and MT-DAO (:mod:`~loc_opt.outer.desloc`).
 * Asynchronous local SGD with Delayed Nesterov and DyLU, simulated
   (:mod:`~loc_opt.outer.async_local_sgd`).
+* Decoupled DiLoCo (:mod:`~loc_opt.outer.decoupled_diloco`): quorum,
+  grace window and token-weighted merges, on a virtual clock
+  (:mod:`~loc_opt.outer.decoupled_clock`).
 * EDiT's pseudo-gradient penalty (:mod:`~loc_opt.outer.edit_diloco`) and
   CO2's one-round-stale outer step (:mod:`~loc_opt.outer.co2`).
 """
@@ -34,6 +37,18 @@ from loc_opt.outer.co2 import co2_bytes
 from loc_opt.outer.co2 import co2_eval_params
 from loc_opt.outer.co2 import co2_plan
 from loc_opt.outer.co2 import Co2State
+from loc_opt.outer.decoupled_clock import chaos_failures
+from loc_opt.outer.decoupled_clock import decoupled_timeline
+from loc_opt.outer.decoupled_clock import Timeline
+from loc_opt.outer.decoupled_diloco import balanced_fragments
+from loc_opt.outer.decoupled_diloco import decoupled_diloco
+from loc_opt.outer.decoupled_diloco import decoupled_eval_params
+from loc_opt.outer.decoupled_diloco import DecoupledDilocoState
+from loc_opt.outer.decoupled_diloco import merge_fragment
+from loc_opt.outer.decoupled_diloco import merge_stacked
+from loc_opt.outer.decoupled_diloco import radial_directional_average
+from loc_opt.outer.decoupled_diloco import token_weight
+from loc_opt.outer.decoupled_diloco import weighted_average
 from loc_opt.outer.delayed_nesterov import delayed_nesterov
 from loc_opt.outer.delayed_nesterov import DelayedNesterovState
 from loc_opt.outer.delayed_nesterov import scale_by_delayed_nesterov

@@ -153,6 +153,20 @@ def _check_dropout(config) -> None:
         "which an absent worker would break; use 'ef' or 'none'")
 
 
+def _check_failures(config) -> None:
+  """Learner failures (``faults.failures``, the chaos model) need a method
+  that runs on a timeline (``Method.step_inputs``)."""
+  if faults.kills_workers(config) and \
+      registry.get_method(config.outer.method).step_inputs is None:
+    supported = sorted(k for k, m in registry.METHODS.items()
+                       if m.step_inputs is not None)
+    raise ValueError(
+        f'faults.failures / faults.chaos_mtbf_steps: outer.method='
+        f'{config.outer.method!r} does not simulate learner failures '
+        f'(supported: {", ".join(supported)}; for a synchronous method use '
+        'faults.drop_syncs)')
+
+
 def _check_init_from(config) -> None:
   """Validates the ``init_from`` fields (a branch off another run)."""
   init = config.get('init_from')
@@ -192,6 +206,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   spikes_lib.spikes_from_config(config.optimizer, config.num_steps)
   faults.settings(config)
   _check_dropout(config)
+  _check_failures(config)
   _check_init_from(config)
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:

@@ -27,7 +27,10 @@ NaN gradients at given steps (``nan_grad_steps``) on given workers
 (``nan_grad_workers``; empty: every worker), NaN parameters the same way
 (``nan_param_steps``, ``nan_param_workers``: a worker whose memory went bad;
 it skips its steps until a sync leaves it out and resets it to the anchor),
-and worker dropout: workers
+worker failures for the methods that run on a timeline (Decoupled DiLoCo):
+``failures``, ``(worker, start step, steps down)`` triples, and a chaos
+model, ``chaos_mtbf_steps`` (mean steps between a learner's failures, 0:
+off) and ``chaos_downtime_steps``; and worker dropout: workers
 ``drop_workers`` miss the syncs numbered ``drop_syncs`` (0 = the run's first
 sync), and at a fraction ``drop_fraction`` of all syncs (drawn from the
 seed) one worker, drawn too, misses it. An absent worker contributes
@@ -95,10 +98,41 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
       or not 0 <= fraction < 1:
     raise ValueError(f'faults.drop_fraction must be in [0, 1), got '
                      f'{fraction!r}')
-  return {'nan_grad_steps': steps, 'nan_grad_workers': workers,
+  failures = _failures(section.get('failures'), config.mesh.workers)
+  chaos = {name: _checks.nonnegative_float(section.get(name, 0.0),
+                                           f'faults.{name}')
+           for name in ('chaos_mtbf_steps', 'chaos_downtime_steps')}
+  if chaos['chaos_mtbf_steps'] and not chaos['chaos_downtime_steps']:
+    raise ValueError('faults.chaos_mtbf_steps needs faults.'
+                     'chaos_downtime_steps > 0 (how long a learner is down)')
+  return {'failures': failures, **chaos,
+          'nan_grad_steps': steps, 'nan_grad_workers': workers,
           'nan_param_steps': param_steps,
           'nan_param_workers': param_workers, 'max_bad_steps': limit, 'drop_syncs': drop_syncs,
           'drop_workers': drop_workers, 'drop_fraction': float(fraction)}
+
+
+def _failures(value: Any, workers: int
+              ) -> tuple[tuple[int, float, float], ...]:
+  """``faults.failures``: ``(worker, start step, steps down)`` triples."""
+  out = []
+  for f in value or ():
+    f = tuple(f)
+    if len(f) != 3 or not 0 <= int(f[0]) < workers or float(f[1]) < 0 \
+        or float(f[2]) <= 0:
+      raise ValueError(
+          f'faults.failures entry {f!r} must be (worker, start step, steps '
+          f'down) with 0 <= worker < mesh.workers={workers}, start >= 0 and '
+          'steps down > 0')
+    out.append((int(f[0]), float(f[1]), float(f[2])))
+  return tuple(out)
+
+
+def kills_workers(config: ml_collections.ConfigDict) -> bool:
+  """Whether the ``faults`` section takes learners down for a while
+  (``failures`` or the chaos model; Decoupled DiLoCo's timeline)."""
+  s = settings(config)
+  return bool(s['failures']) or s['chaos_mtbf_steps'] > 0
 
 
 def drops_workers(config: ml_collections.ConfigDict) -> bool:

@@ -67,6 +67,11 @@ class Method:
       non-finite step still advances them (``loc_opt.train.faults``), and a
       checkpoint stores them once (``loc_opt.train.layout``).
       ``tests/train/test_layout.py`` checks each method's set.
+    step_inputs: ``config -> (step, worker) -> {name: value}``: per-worker
+      arguments of every step's ``update``, read on device from tables the
+      method computes before the run (Decoupled DiLoCo's timeline: which
+      learners take a step, are merged, receive a fragment, rejoin); None:
+      none.
     elastic: whether a run may resume from its checkpoint with another
       ``mesh.workers`` (``loc_opt.train.elastic``): the shared fields carry
       over and new workers start from the shared ``anchor``, which must be
@@ -88,6 +93,8 @@ class Method:
   library_kwargs: Callable[[Config], Mapping[Callable[..., Any],
                                              dict[str, Any]]] | None = None
   shared_fields: tuple[str, ...] = ()
+  step_inputs: Callable[[Config], Callable[[Any, Any], dict[str, Any]]] \
+      | None = None
   elastic: bool = False
 
   def __post_init__(self):

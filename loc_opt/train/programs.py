@@ -134,14 +134,16 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
 
 
 def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
-                 reset=None):
+                 reset=None, inputs=None):
   """One worker's step: gradients (with injected faults), the update, and
   the skip of a non-finite step (``loc_opt.train.faults``). With ``absent``
   (``faults.absences``), a step that syncs tells the method whether this
   worker is present (``update(..., present=...)``). With ``reset``
   (``(opt_state, params) -> the anchor``), a worker whose parameters are
   still not finite after a step that syncs (its pseudo-gradient was left
-  out; an update cannot move a NaN) restarts from the anchor."""
+  out; an update cannot move a NaN) restarts from the anchor. With
+  ``inputs`` (``Method.step_inputs``), every step passes ``inputs(step,
+  worker)`` to the update."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
   per_worker = method.per_worker
@@ -158,7 +160,7 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
     ok = jnp.isfinite(loss) & faults.all_finite(grads)
     if not skippable:  # the step talks to other workers: send finite values
       grads = faults.zero_if_not(ok, grads)
-    extra = {}
+    extra = {} if inputs is None else inputs(step, worker)
     if absent is not None and not skippable:
       extra['present'] = faults.present(step, worker, absent)
     updates, new_state = tx.update(grads, opt_state, params, sync=sync,
@@ -188,8 +190,10 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   # Methods that leave a non-finite worker out of a sync share an anchor
   # (their evaluation weights) to reset it to.
   reset = method.eval_params if method.left_out is not None else None
+  inputs = (method.step_inputs(config) if method.step_inputs is not None
+            else None)
   worker_step = _worker_step(model, tx, faults.settings(config), method,
-                             absent, reset)
+                             absent, reset, inputs)
 
   def make_step(sync):
     # Only a step that talks to no other worker can be skipped on its own.

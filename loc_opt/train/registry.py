@@ -15,10 +15,13 @@ there is one source for every default.
 """
 
 from collections.abc import Callable, Mapping
+import functools
 import inspect
+import json
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from loc_opt import _checks
@@ -28,6 +31,7 @@ from loc_opt import outer as outer_lib
 from loc_opt.outer import plan as plan_lib
 from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
+from loc_opt.train import faults
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method
 
@@ -151,6 +155,82 @@ def _build_streaming(config, inner, axis_name):
       fragments=fragments, outer=cfg_lib.outer_optimizer(config),
       axis_name=axis_name, codec=cfg_lib.make_compressor(config),
       **_kwargs('streaming_diloco', outer_lib.streaming_diloco, config))
+
+
+# ------------------------------------------------------- Decoupled DiLoCo
+
+_DECOUPLED_TX = ('merge', 'rda_scope', 'weighting', 'alpha', 'rejoin_state')
+_DECOUPLED_CLOCK = ('overlap', 'quorum', 'grace', 'grace_cap', 'sync_steps',
+                    'jitter')
+
+
+def _decoupled_kwargs(config):
+  return {outer_lib.decoupled_diloco: _pick(config, 'decoupled_diloco',
+                                            _DECOUPLED_TX),
+          outer_lib.decoupled_timeline: _pick(config, 'decoupled_diloco',
+                                              _DECOUPLED_CLOCK)}
+
+
+@functools.lru_cache(maxsize=8)
+def _timeline_of(key: str) -> outer_lib.Timeline:
+  args = json.loads(key)
+  return outer_lib.decoupled_timeline(args.pop('num_steps'), **args)
+
+
+def decoupled_timeline(config) -> outer_lib.Timeline:
+  """The run's Decoupled DiLoCo timeline (``loc_opt.outer.decoupled_clock``)
+  from the config: ``outer.decoupled_diloco``'s clock fields, learner speeds
+  ``wallclock.worker_speeds``, and the fault trace ``faults.failures`` plus
+  the chaos model's (seeded with ``seed``). A pure function of the config,
+  so a resumed run rebuilds the same timeline."""
+  s, m = faults.settings(config), config.mesh.workers
+  trace = list(s['failures'])
+  if s['chaos_mtbf_steps']:
+    trace += cfg_lib.checked(
+        'faults.chaos_mtbf_steps', outer_lib.chaos_failures, m,
+        config.num_steps, mtbf=s['chaos_mtbf_steps'],
+        downtime=s['chaos_downtime_steps'], seed=config.seed)
+  tx_kwargs = _kwargs('decoupled_diloco', outer_lib.decoupled_diloco, config)
+  args = dict(
+      num_steps=config.num_steps, num_learners=m, sync_every=_h(config),
+      num_fragments=int(_required(config, 'decoupled_diloco',
+                                  'num_fragments')),
+      speeds=list(simulated_time.worker_speeds(config)),
+      failures=[list(f) for f in trace],
+      peer_rejoin=tx_kwargs.get('rejoin_state') == 'peer', seed=config.seed,
+      **_kwargs('decoupled_diloco', outer_lib.decoupled_timeline, config))
+  return cfg_lib.checked('outer.decoupled_diloco', _timeline_of,
+                         json.dumps(args, sort_keys=True))
+
+
+def _decoupled_inputs(config):
+  """``(step, worker) -> update kwargs`` from the timeline's tables."""
+  timeline = decoupled_timeline(config)
+  last = timeline.num_steps - 1
+  tables = {k: timeline.inputs(slice(None))[k] for k in
+            ('active', 'admitted', 'receive', 'rejoin')}
+
+  def inputs(step, worker):
+    t = jnp.minimum(step, last)
+    return {k: jnp.asarray(v)[t, worker] for k, v in tables.items()}
+
+  return inputs
+
+
+def _build_decoupled(config, inner, axis_name):
+  return cfg_lib.checked(
+      'outer.decoupled_diloco', outer_lib.decoupled_diloco, inner,
+      num_fragments=int(_required(config, 'decoupled_diloco',
+                                  'num_fragments')),
+      outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
+      codec=cfg_lib.make_compressor(config),
+      **_kwargs('decoupled_diloco', outer_lib.decoupled_diloco, config))
+
+
+def _decoupled_overlap(config) -> int:
+  kwargs = _kwargs('decoupled_diloco', outer_lib.decoupled_timeline, config)
+  return int(kwargs.get('overlap', library_default(
+      outer_lib.decoupled_timeline, 'overlap')))
 
 
 # --------------------------------------------------------- Eager updates
@@ -356,6 +436,16 @@ METHODS: Mapping[str, Method] = {
         shared_fields=('anchor', 'outer_state', 'in_flight', 'count', 'sends',
                        'applies'),
         elastic=True, left_out=_left_out),
+    # Learners on their own clocks; the timeline (worker speeds, failures,
+    # quorum and grace) gives each step's per-learner masks.
+    'decoupled_diloco': Method(
+        per_worker=True, build=_build_decoupled,
+        plan=lambda config: decoupled_timeline(config).plan(),
+        eval_params=outer_lib.decoupled_eval_params,
+        overlap_steps=_decoupled_overlap, waits_for_stragglers=False,
+        section='decoupled_diloco', library_kwargs=_decoupled_kwargs,
+        shared_fields=('anchor', 'outer_state', 'count', 'merges'),
+        left_out=_left_out, step_inputs=_decoupled_inputs),
     'eager_diloco': Method(
         per_worker=True, build=_build_eager,
         plan=_fixed_plan(outer_lib.eager_plan),

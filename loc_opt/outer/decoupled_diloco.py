@@ -1,0 +1,648 @@
+"""Decoupled DiLoCo: learners on their own clocks, a syncer that merges
+whatever has arrived.
+
+Learners (the workers) run inner steps without ever waiting for each other.
+The parameters are split into ``P`` fragments (:func:`balanced_fragments`:
+whole tensors bin-packed to near-equal size). When a fragment comes due, a
+synchronizer merges the fragments of the learners it admitted (a minimum
+quorum, then a short grace window: :mod:`loc_opt.outer.decoupled_clock`
+decides who, on a virtual clock), weights each learner by the tokens it
+processed since it last received that fragment, takes an outer Nesterov
+step on the fragment, and sends the new global fragment back; a learner
+overwrites its copy when it arrives.
+
+This module holds the numerics: the merge as pure functions
+(:func:`token_weight`, :func:`weighted_average`,
+:func:`radial_directional_average`, :func:`merge_fragment`) and the
+transform :func:`decoupled_diloco`, which runs on the worker axis
+(``vmap`` / ``shard_map``) like every method of the family, with the
+timeline's decisions given per learner (``active``, ``admitted``,
+``receive``, ``rejoin``).
+
+Choices where the published description is ambiguous (see
+``docs/decoupled_diloco.md``):
+
+* the outer gradient is taken against the syncer's previous global fragment,
+  ``Delta_m = Theta_p - theta_m`` (the description attributes this to the
+  paper's App. D.2). Every live learner receives every merged fragment
+  before that fragment is merged again, and a returning learner starts from
+  the global fragments, so the learner's base version is the same value
+  here; no per-learner base is kept;
+* RDA per parameter leaf (``rda_scope='leaf'``) or per whole fragment
+  (``'fragment'``);
+* a received fragment overwrites the local copy (``alpha=0``) or is blended
+  with it, as Streaming DiLoCo's ``alpha``;
+* when every learner's mean direction cancels (``|u| <= rda_eps``), RDA falls
+  back to the direct weighted average (under ``lax.cond``: its second
+  all-reduce runs only then).
+
+References:
+  Douillard et al., *Decoupled DiLoCo for Resilient Distributed
+  Pre-training*, 2026. https://arxiv.org/abs/2604.21428
+  Douillard et al., *Streaming DiLoCo with overlapping communication*,
+  2025. https://arxiv.org/abs/2501.18512
+"""
+
+from collections.abc import Callable, Hashable
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loc_opt import _checks
+from loc_opt import compression
+from loc_opt.outer import _fragments
+from loc_opt.outer import _local
+
+Phase = Hashable
+MeanFn = Callable[[Any], Any]
+MERGES = ('rda', 'average')
+RDA_SCOPES = ('leaf', 'fragment')
+WEIGHTINGS = ('tokens', 'uniform')
+REJOIN_STATES = ('keep', 'fresh', 'peer')
+# Leaves averaged directly under RDA: the input embedding (the paper's
+# embedding outer gradients are not near-orthogonal across learners).
+DIRECT_PATTERN = r'(^|/)embed'
+
+
+# ---------------------------------------------------------- fragments ---
+def balanced_fragments(params: Any, num_fragments: int) -> Any:
+  """Whole tensors bin-packed into ``num_fragments`` fragments of near-equal
+  size (Decoupled DiLoCo's *balanced tensor fragmentation*).
+
+  Greedy: leaves from largest to smallest (ties in tree-flatten order),
+  each into the fragment holding the fewest elements so far (ties: the
+  lowest index). Its peak is at most 4/3 of the even split ``N / P`` when
+  no leaf is larger than that (Graham's bound for largest-first).
+
+  Args:
+    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+    num_fragments: ``P``, at most the number of leaves.
+
+  Returns:
+    A tree like ``params`` with the fragment index (int) of every leaf, for
+    ``fragments=`` of :func:`decoupled_diloco` or
+    :func:`loc_opt.streaming_diloco`.
+  """
+  _checks.positive_int(num_fragments, 'num_fragments')
+  leaves, treedef = jax.tree.flatten(params)
+  if num_fragments > len(leaves):
+    raise ValueError(f'num_fragments={num_fragments} is more than the '
+                     f'{len(leaves)} parameter leaves (whole tensors)')
+  sizes = [int(np.prod(x.shape)) for x in leaves]
+  loads = [0] * num_fragments
+  ids = [0] * len(leaves)
+  for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
+    p = min(range(num_fragments), key=lambda p: (loads[p], p))
+    ids[i] = p
+    loads[p] += sizes[i]
+  return treedef.unflatten(ids)
+
+
+# -------------------------------------------------------------- merge ---
+def token_weight(tokens: jax.Array, steps: jax.Array) -> jax.Array:
+  """A learner's merge weight ``c_tokens^2 / c_steps`` (tokens processed
+  times tokens per inner step, both since it last received the fragment);
+  0 when it took no step."""
+  steps = jnp.asarray(steps, jnp.float32)
+  tokens = jnp.asarray(tokens, jnp.float32)
+  return jnp.where(steps > 0, tokens * tokens / jnp.maximum(steps, 1.), 0.)
+
+
+def _ratio(num: Any, den: jax.Array) -> Any:
+  """``num / den`` leafwise, 0 where ``den`` is 0."""
+  inv = jnp.where(den > 0, 1. / jnp.maximum(den, 1e-30), 0.)
+  return jax.tree.map(lambda x: x * inv, num)
+
+
+def weighted_average(deltas: list[jax.Array], weight: jax.Array,
+                     mean_fn: MeanFn, payload_mean: MeanFn | None = None
+                     ) -> list[jax.Array]:
+  """``sum_m w_m Delta_m / sum_m w_m`` over learners (0 if every weight is
+  0): :func:`merge_fragment` with every piece averaged directly."""
+  return merge_fragment(deltas, weight, mean_fn, payload_mean,
+                        direct=[True] * len(deltas))
+
+
+def radial_directional_average(
+    deltas: list[jax.Array], weight: jax.Array, mean_fn: MeanFn,
+    payload_mean: MeanFn | None = None, *, scope: str = 'leaf',
+    eps: float = 1e-6) -> list[jax.Array]:
+  r"""Radial-directional averaging (RDA) of the learners' deltas:
+  :func:`merge_fragment` with no piece averaged directly.
+
+  Per group (a leaf with ``scope='leaf'``, all of ``deltas`` with
+  ``'fragment'``), with weights ``w_m`` and ``phi(x) = x / |x|``
+  (``phi(0) = 0``):
+
+  .. math::
+
+    \mathrm{RDA} = \frac{\sum_m w_m |\Delta_m|}{\sum_m w_m}\,
+      \phi\Big(\frac{\sum_m w_m \phi(\Delta_m)}{\sum_m w_m}\Big).
+
+  The weighted mean of the norms keeps the update's length when the
+  learners' deltas are nearly orthogonal (a plain mean of ``M`` orthogonal
+  vectors of norm ``R`` has norm ``R / sqrt(M)``), so the outer learning rate
+  need not change with ``M``.
+  """
+  return merge_fragment(deltas, weight, mean_fn, payload_mean,
+                        direct=[False] * len(deltas), scope=scope, eps=eps)
+
+
+def _sq(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
+def merge_fragment(deltas: list[jax.Array], weight: jax.Array,
+                   mean_fn: MeanFn, payload_mean: MeanFn | None = None, *,
+                   direct: list[bool], merge: str = 'rda',
+                   scope: str = 'leaf', eps: float = 1e-6
+                   ) -> list[jax.Array]:
+  """The merged outer gradient of one fragment, identical on every learner.
+
+  The pieces marked ``direct`` (embeddings), or every piece with
+  ``merge='average'``, are the weighted average ``sum w Delta / sum w``; the
+  others are merged by RDA (:func:`radial_directional_average`) per group.
+  One payload crosses learners: ``w Delta`` or ``w phi(Delta)`` per piece
+  (through ``payload_mean``), plus fp32 scalars (the weight, and ``w
+  |Delta|`` per RDA group). Where RDA is degenerate (the mean direction has
+  norm ``<= eps``: the directions cancel, e.g. two learners with opposite
+  deltas) the weighted average is taken instead, in a ``lax.cond`` branch
+  whose all-reduce (fp32, through ``mean_fn``) runs only then.
+
+  Args:
+    deltas: this learner's pieces ``Theta_p - theta_m``.
+    weight: this learner's merge weight (fp32 scalar; 0: left out).
+    mean_fn: the mean over the learner axis (e.g. ``lax.pmean``).
+    payload_mean: the mean of the weighted pieces (default ``mean_fn``;
+      e.g. through a codec).
+    direct: per piece, whether it is averaged directly.
+    merge: ``'rda'`` or ``'average'`` (every piece directly).
+    scope: RDA per ``'leaf'`` or per ``'fragment'`` (all RDA pieces).
+    eps: RDA's degeneracy threshold on the mean direction's norm (in
+      ``[0, 1]``).
+
+  Returns:
+    The merged pieces, in ``deltas``' dtypes; zeros if every weight is 0.
+  """
+  payload_mean = payload_mean or mean_fn
+  direct = [True] * len(deltas) if merge == 'average' else list(direct)
+  rda = [i for i, d in enumerate(direct) if not d]
+  groups = [[i] for i in rda] if scope == 'leaf' else ([rda] if rda else [])
+  norms = [jnp.sqrt(sum(_sq(deltas[i]) for i in g)) for g in groups]
+  unit = list(deltas)
+  for g, n in zip(groups, norms):
+    inv = jnp.where(n > 0, 1. / jnp.maximum(n, 1e-30), 0.)
+    for i in g:
+      unit[i] = deltas[i] * inv.astype(deltas[i].dtype)
+  sent = payload_mean([weight.astype(x.dtype) * x for x in unit])
+  scalars = mean_fn((jnp.stack([weight * n for n in norms] or
+                               [jnp.zeros([])]), weight))
+  total = scalars[1]
+  out = _ratio(sent, total)
+  if not groups:
+    return out
+  radial = _ratio(scalars[0], total)
+  degenerate = []
+  for k, g in enumerate(groups):
+    un = jnp.sqrt(sum(_sq(out[i]) for i in g))
+    scale = jnp.where(un > eps, radial[k] / jnp.maximum(un, 1e-30), 0.)
+    for i in g:
+      out[i] = out[i] * scale.astype(out[i].dtype)
+    degenerate.append(un <= eps)
+  fallback = jax.lax.cond(
+      jnp.any(jnp.stack(degenerate)),
+      lambda: _ratio(mean_fn([weight.astype(deltas[i].dtype) * deltas[i]
+                              for i in rda]), total),
+      lambda: [jnp.zeros_like(out[i]) for i in rda])
+  slot = {i: j for j, i in enumerate(rda)}
+  for k, g in enumerate(groups):
+    for i in g:
+      out[i] = jnp.where(degenerate[k], fallback[slot[i]], out[i])
+  return out
+
+
+def merge_stacked(deltas: list[jax.Array], weights: jax.Array,
+                  **kwargs) -> list[jax.Array]:
+  """:func:`merge_fragment` on the syncer's side: ``deltas`` stacked over
+  learners (leading axis ``M``), ``weights`` ``[M]``."""
+  fn = jax.vmap(
+      lambda d, w: merge_fragment(
+          d, w, lambda x: jax.lax.pmean(x, '_learner'), **kwargs),
+      axis_name='_learner')
+  return [x[0] for x in fn(deltas, jnp.asarray(weights, jnp.float32))]
+
+
+# ---------------------------------------------------------- transform ---
+class DecoupledDilocoState(NamedTuple):
+  """State of :func:`decoupled_diloco` (one learner's copy).
+
+  Attributes:
+    inner_state: the learner's inner optimizer state.
+    anchor: the global fragments ``Theta`` (the syncer's copy; same on every
+      learner), fp32 by default.
+    outer_state: tuple of ``P`` outer optimizer states, one per fragment over
+      its pieces (the syncer's; same on every learner).
+    count: int32 scalar, program steps (ticks of the timeline) taken.
+    merges: int32 ``[P]``, merges applied to each global fragment.
+    steps_since: float32 ``[P]``, ``c_steps``: inner steps this learner took
+      since it last received each fragment.
+    tokens_since: float32 ``[P]``, ``c_tokens``: tokens it processed since.
+    inner_steps: int32 scalar, inner steps this learner took.
+    codec_state: tuple of ``P`` compressor states (``()`` without a codec).
+    left_out: int32 scalar, merges this learner was not part of (not
+      admitted, or its fragment was not finite).
+  """
+
+  inner_state: optax.OptState
+  anchor: optax.Params
+  outer_state: tuple[optax.OptState, ...]
+  count: jax.Array
+  merges: jax.Array
+  steps_since: jax.Array
+  tokens_since: jax.Array
+  inner_steps: jax.Array
+  codec_state: Any
+  left_out: jax.Array
+
+
+class _Config(NamedTuple):
+  """The static settings of one :func:`decoupled_diloco` transform."""
+
+  num_fragments: int
+  outer: optax.GradientTransformation
+  merge: str
+  scope: str
+  weighting: str
+  alpha: float
+  rejoin_state: str
+  eps: float
+  direct_pattern: str | None
+  compressor: compression.Compressor | None
+  comm: compression.Comm | None
+  codec_seed: int
+
+
+def check_phase(sync: Phase, num_fragments: int
+                ) -> tuple[int | None, int | None]:
+  """``(merge, source)`` of a phase: ``False`` (neither), or a pair: the
+  fragment merged on this step (or None) and the learner whose inner
+  state a returning learner copies (``rejoin_state='peer'``; or None)."""
+  if sync is False:
+    return None, None
+  ok = (isinstance(sync, tuple) and len(sync) == 2
+        and all(v is None or (isinstance(v, int) and not isinstance(v, bool)
+                              and v >= 0) for v in sync)
+        and (sync[0] is None or sync[0] < num_fragments)
+        and sync != (None, None))
+  if not ok:
+    raise ValueError(
+        'sync must be False or (merge, source) with merge a fragment in '
+        f'[0, {num_fragments}) or None and source a learner index or None '
+        f'(not both None), got {sync!r}')
+  return sync
+
+
+class _Step:
+  """One update of one learner, with the timeline's decisions."""
+
+  def __init__(self, cfg: _Config, state: DecoupledDilocoState,
+               groups: list[list[_fragments.Piece]], direct: list[bool],
+               params: Any, updates: Any):
+    self.cfg, self.state, self.groups, self.direct = cfg, state, groups, \
+        direct
+    self.p_leaves, self.treedef = jax.tree.flatten(params)
+    # theta after this step's inner update (params where inactive)
+    self.local = [optax.apply_updates(p, u) for p, u in
+                  zip(self.p_leaves, self.treedef.flatten_up_to(updates))]
+    self.a_leaves = jax.tree.leaves(state.anchor)
+
+  def pieces(self, leaves: list[jax.Array], p: int) -> list[jax.Array]:
+    return [_fragments.take(leaves[i], rows) for i, rows in self.groups[p]]
+
+  def merge(self, p: int, weight: jax.Array, codec_states: Any
+            ) -> tuple[list[jax.Array], Any, Any, jax.Array, jax.Array]:
+    """Fragment ``p``'s new global pieces and outer state, the codec
+    states, whether this learner's fragment entered the merge, and whether
+    any did (else the syncer keeps the fragment)."""
+    cfg, state = self.cfg, self.state
+    anchor = self.pieces(self.a_leaves, p)
+    delta = _local.pseudo_gradient(anchor, self.pieces(self.local, p))
+    weight = jnp.where(_local.all_finite(delta), weight, 0.)
+    included = weight > 0
+    delta = [jnp.where(included, d, jnp.zeros_like(d)) for d in delta]
+    mean_fn = _local.identity if cfg.comm is None else cfg.comm.pmean
+    payload_mean, new_codec = None, [codec_states]
+    if cfg.compressor is not None:
+      key = jax.random.fold_in(jax.random.key(cfg.codec_seed), state.count)
+
+      def payload_mean(tree):
+        mean, _, cs = cfg.compressor.mean(tree, codec_states[p], cfg.comm,
+                                          key)
+        # a learner left out keeps its error buffers as they were
+        cs = jax.tree.map(lambda n, o: _local.select_leaf(included, n, o),
+                          cs, codec_states[p])
+        new_codec[0] = codec_states[:p] + (cs,) + codec_states[p + 1:]
+        return [m.astype(x.dtype) for m, x in zip(mean, tree)]
+
+    merged = merge_fragment(
+        delta, weight, mean_fn, payload_mean,
+        direct=[self.direct[i] for i, _ in self.groups[p]], merge=cfg.merge,
+        scope=cfg.scope, eps=cfg.eps)
+    any_in = mean_fn(weight) > 0
+    updates, new_outer = cfg.outer.update(merged, state.outer_state[p],
+                                          anchor)
+    new_anchor = optax.apply_updates(anchor, updates)
+    new_anchor = [jnp.where(any_in, n, a) for n, a in zip(new_anchor, anchor)]
+    new_outer = jax.tree.map(lambda n, o: _local.select_leaf(any_in, n, o),
+                             new_outer, state.outer_state[p])
+    return new_anchor, new_outer, new_codec[0], included, any_in
+
+  def receive(self, anchor: list[jax.Array], receive: jax.Array
+              ) -> list[jax.Array]:
+    """The local leaves after the fragments ``receive`` (bool ``[P]``)
+    arrive: ``alpha theta + (1 - alpha) Theta`` there (``Theta`` itself with
+    the default ``alpha = 0``), ``theta`` elsewhere."""
+    alpha, out = self.cfg.alpha, list(self.local)
+    for q, group in enumerate(self.groups):
+      for i, rows in group:
+        mine = _fragments.take(out[i], rows)
+        glob = _fragments.take(anchor[i], rows).astype(mine.dtype)
+        new = glob if not alpha else alpha * mine + (1 - alpha) * glob
+        out[i] = _fragments.put(out[i], rows,
+                                jnp.where(receive[q], new, mine))
+    return out
+
+
+def _weight(cfg: _Config, admitted: jax.Array, steps: jax.Array,
+            tokens: jax.Array) -> jax.Array:
+  """This learner's merge weight for one fragment (0 unless admitted)."""
+  if cfg.weighting == 'tokens':
+    w = token_weight(tokens, steps)
+  else:
+    w = (steps > 0).astype(jnp.float32)
+  return jnp.where(admitted, w, 0.)
+
+
+def _peer(cfg: _Config, tree: Any, source: int) -> Any:
+  """Learner ``source``'s copy of ``tree``, on every learner (one
+  all-reduce: only the source contributes)."""
+  me = jax.lax.axis_index(cfg.comm.axis_name)
+
+  def leaf(x):
+    return jax.lax.psum(jnp.where(me == source, x, jnp.zeros_like(x)),
+                        cfg.comm.axis_name)
+
+  return jax.tree.map(leaf, tree)
+
+
+def _masks(num_fragments: int, merge: int | None, active, admitted,
+           receive, rejoin, tokens) -> tuple[jax.Array, ...]:
+  """The per-learner decisions with their defaults: active, admitted, no
+  rejoin, one token per inner step, and (with no ``receive`` given) the
+  merged fragment received on the same step."""
+  true = jnp.bool_(True)
+  active = true if active is None else jnp.asarray(active, bool)
+  admitted = true if admitted is None else jnp.asarray(admitted, bool)
+  rejoin = jnp.bool_(False) if rejoin is None else jnp.asarray(rejoin, bool)
+  if receive is None:
+    receive = np.zeros([num_fragments], bool)
+    if merge is not None:
+      receive[merge] = True
+  receive = jnp.asarray(receive, bool)
+  tokens = jnp.float32(1.) if tokens is None else jnp.asarray(tokens,
+                                                              jnp.float32)
+  return active, admitted, receive, rejoin, tokens
+
+
+def decoupled_diloco(
+    inner: optax.GradientTransformation,
+    *,
+    num_fragments: int | None = None,
+    fragments: Any | _fragments.FragmentFn | None = None,
+    outer: optax.GradientTransformation | None = None,
+    merge: str = 'rda',
+    rda_scope: str = 'leaf',
+    rda_eps: float = 1e-6,
+    direct_pattern: str | None = DIRECT_PATTERN,
+    weighting: str = 'tokens',
+    alpha: float = 0.0,
+    rejoin_state: str = 'keep',
+    axis_name: str | None = 'worker',
+    anchor_dtype: Any = jnp.float32,
+    codec: compression.Scheme = None,
+    codec_seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Decoupled DiLoCo's learner and syncer numerics (Douillard et al., 2026).
+
+  One ``update`` is one tick of the timeline
+  (:func:`loc_opt.outer.decoupled_timeline`) for one learner, in this order:
+
+  1. **Inner step**, if ``active``: ``theta' = theta + inner(g)``; the
+     learner's counters ``c_steps`` and ``c_tokens`` of every fragment grow
+     by one step and ``tokens``. An inactive learner (slower, or down)
+     keeps its parameters and inner state.
+  2. **Merge** of fragment ``p`` when the static phase ``sync = (p, _)``:
+     each learner's ``Delta_m = Theta_p - theta'_{m,p}``, weighted by
+     ``w_m = c_tokens^2 / c_steps`` (``weighting='tokens'``; or 1 for any
+     learner with a step, ``'uniform'``; 0 unless ``admitted``, or if
+     ``Delta_m`` is not finite), merged by :func:`merge_fragment` (RDA, with
+     embeddings averaged directly), then an outer step on the fragment with
+     its own outer state: ``Theta_p <- Theta_p + outer(merged)``. With no
+     learner admitted the fragment stays.
+  3. **Receive**: for each fragment in ``receive`` (bool ``[P]``; default
+     the fragment merged on this step), ``theta_q <- Theta_q`` (or ``alpha
+     theta_q + (1 - alpha) Theta_q``) and its counters restart at 0.
+  4. **Rejoin**, if ``rejoin`` (a learner back from a failure): every
+     fragment from the global ``Theta``, counters 0, and the inner state
+     kept (``rejoin_state='keep'``), re-initialised (``'fresh'``) or copied
+     from the live learner ``source`` named by the phase ``(_, source)``
+     (``'peer'``; one all-reduce of the inner state on that step).
+
+  The update returned is ``target - params``, so ``optax.apply_updates``
+  stays the only way the parameters change. Everything crossing learners is
+  in the merge phase's program: the weighted pieces (``w Delta`` or ``w
+  phi(Delta)``, through ``codec`` if given, with its error feedback per
+  learner and fragment) and a few fp32 scalars. With every learner active
+  and admitted, ``weighting='uniform'``, ``merge='average'`` and the default
+  ``receive``, each merge is Streaming DiLoCo's fragment sync with ``tau =
+  0``, ``alpha = 0`` (tested).
+
+  Args:
+    inner: the inner optimizer (may take extra args).
+    num_fragments: ``P``; required unless ``fragments`` is a tree of ints.
+    fragments: which fragment each leaf belongs to (a tree of ints, or a
+      stacked leaf's tuple of row ids, or ``(path, leaf) -> ids``); default
+      :func:`balanced_fragments`.
+    outer: the outer optimizer per fragment (default Nesterov SGD, lr 0.7,
+      momentum 0.9: the description gives no values; DiLoCo's).
+    merge: ``'rda'`` (radial-directional averaging, embeddings direct) or
+      ``'average'`` (the weighted average everywhere).
+    rda_scope: RDA per ``'leaf'`` (default) or per ``'fragment'``.
+    rda_eps: RDA falls back to the weighted average where the mean
+      direction's norm is at most this.
+    direct_pattern: a regex on leaf paths (``'embed/embedding'``) of the
+      leaves averaged directly under RDA; None: none.
+    weighting: ``'tokens'`` (``c_tokens^2 / c_steps``) or ``'uniform'``.
+    alpha: weight of the local copy when a fragment arrives (0: overwrite,
+      the described default).
+    rejoin_state: a returning learner's inner state: ``'keep'`` (its own,
+      stale), ``'fresh'`` (``inner.init``) or ``'peer'`` (a live learner's).
+    axis_name: the learner axis (``None``: one learner, no collectives).
+    anchor_dtype: minimum precision of the global fragments and outer state.
+    codec: compress the weighted pieces (a ``loc_opt.compression`` codec,
+      compressor or name, e.g. ``'int4'``; error feedback from the scheme,
+      e.g. ``('int4', {})`` wrapped by ``compression.error_feedback``).
+    codec_seed: seed of the shared key of codecs that draw random numbers.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update(updates,
+    state, params, *, sync, active=None, admitted=None, receive=None,
+    rejoin=None, tokens=None, present=None, **inner_args)`` takes the
+    static phase ``sync`` (``False`` or ``(merge, source)``, see
+    :func:`check_phase`) and per-learner decisions (bool scalars,
+    ``receive`` bool ``[P]``, ``tokens`` a float; defaults: active,
+    admitted, no rejoin, one token per step; ``present=False`` leaves the
+    learner out of the merge like ``admitted=False``).
+
+  References:
+    Douillard et al., *Decoupled DiLoCo for Resilient Distributed
+    Pre-training*, 2026. https://arxiv.org/abs/2604.21428
+  """
+  if num_fragments is None and (fragments is None or callable(fragments)):
+    raise ValueError('decoupled_diloco needs num_fragments unless fragments '
+                     'is a tree of ints')
+  p_count = _fragments.num_fragments_of(num_fragments, fragments)
+  _checks.one_of(merge, 'merge', MERGES)
+  _checks.one_of(rda_scope, 'rda_scope', RDA_SCOPES)
+  _checks.one_of(weighting, 'weighting', WEIGHTINGS)
+  _checks.one_of(rejoin_state, 'rejoin_state', REJOIN_STATES)
+  alpha = _checks.in_interval(alpha, 'alpha', 0, 1)
+  rda_eps = _checks.in_interval(rda_eps, 'rda_eps', 0, 1)
+  if (codec is not None or rejoin_state == 'peer') and axis_name is None:
+    raise ValueError('decoupled_diloco with a codec or rejoin_state="peer" '
+                     'needs an axis_name')
+  inner = optax.with_extra_args_support(inner)
+  cfg = _Config(
+      num_fragments=p_count,
+      outer=_local.nesterov_outer() if outer is None else outer,
+      merge=merge, scope=rda_scope, weighting=weighting, alpha=alpha,
+      rejoin_state=rejoin_state, eps=rda_eps, direct_pattern=direct_pattern,
+      compressor=None if codec is None else compression.as_compressor(codec),
+      comm=compression.Comm(axis_name) if axis_name is not None else None,
+      codec_seed=codec_seed)
+
+  def split(params):
+    ids = (fragments if fragments is not None
+           else balanced_fragments(params, p_count))
+    return _fragments.pieces(
+        _fragments.leaf_fragments(params, ids, p_count), p_count)
+
+  def direct(params):
+    if cfg.direct_pattern is None:
+      return [False] * len(jax.tree.leaves(params))
+    regex = re.compile(cfg.direct_pattern)
+    return [bool(regex.search(_fragments._path_name(path)))  # pylint: disable=protected-access
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+  def init_fn(params):
+    anchor = _local.init_anchor(params, anchor_dtype)
+    a_leaves = jax.tree.leaves(anchor)
+    parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
+             for g in split(params)]
+    zeros = jnp.zeros([p_count], jnp.float32)
+    return DecoupledDilocoState(
+        inner_state=inner.init(params), anchor=anchor,
+        outer_state=tuple(cfg.outer.init(part) for part in parts),
+        count=jnp.zeros([], jnp.int32),
+        merges=jnp.zeros([p_count], jnp.int32), steps_since=zeros,
+        tokens_since=zeros, inner_steps=jnp.zeros([], jnp.int32),
+        codec_state=(() if cfg.compressor is None else
+                     tuple(cfg.compressor.init(part) for part in parts)),
+        left_out=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, *, sync=None, active=None,
+                admitted=None, receive=None, rejoin=None, tokens=None,
+                present=None, **extra_args):
+    if sync is None:
+      raise ValueError(
+          'decoupled_diloco needs the static phase sync= of its timeline '
+          '(loc_opt.outer.decoupled_timeline(...).plan()): False or '
+          '(merge, source)')
+    merge_p, source = check_phase(sync, p_count)
+    if source is not None and cfg.rejoin_state != 'peer':
+      source = None
+    active, admitted, receive, rejoin, tokens = _masks(
+        p_count, merge_p, active, admitted, receive, rejoin, tokens)
+    if present is not None:  # worker dropout, as loc_opt.diloco takes it
+      admitted = admitted & jnp.asarray(present, bool)
+    return _update(cfg, inner, split(params), direct(params), updates, state,
+                   params, extra_args, merge_p, source, active, admitted,
+                   receive, rejoin, tokens)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update(cfg, inner, groups, direct, updates, state, params, extra_args,
+            merge_p, source, active, admitted, receive, rejoin, tokens):
+  """The body of ``update`` (see :func:`decoupled_diloco`)."""
+  inner_updates, inner_state = _local.inner_step(
+      inner, 'decoupled_diloco', updates, state.inner_state, params,
+      extra_args)
+  inner_updates = jax.tree.map(
+      lambda u: jnp.where(active, u, jnp.zeros_like(u)), inner_updates)
+  inner_state = jax.tree.map(
+      lambda n, o: _local.select_leaf(active, n, o), inner_state,
+      state.inner_state)
+  step_inc = active.astype(jnp.float32)
+  steps_since = state.steps_since + step_inc
+  tokens_since = state.tokens_since + step_inc * tokens
+  step = _Step(cfg, state, groups, direct, params, inner_updates)
+  anchor, outer_state = list(step.a_leaves), state.outer_state
+  codec_states, merges, left_out = state.codec_state, state.merges, \
+      state.left_out
+  if merge_p is not None:
+    weight = _weight(cfg, admitted, steps_since[merge_p],
+                     tokens_since[merge_p])
+    pieces, new_outer, codec_states, included, any_in = step.merge(
+        merge_p, weight, codec_states)
+    for (i, rows), a in zip(groups[merge_p], pieces):
+      anchor[i] = _fragments.put(anchor[i], rows, a)
+    outer_state = (outer_state[:merge_p] + (new_outer,)
+                   + outer_state[merge_p + 1:])
+    merges = merges + any_in * jax.nn.one_hot(merge_p, cfg.num_fragments,
+                                              dtype=jnp.int32)
+    left_out = left_out + jnp.logical_not(included).astype(jnp.int32)
+  target = step.receive(anchor, receive)
+  target = [jnp.where(rejoin, a.astype(t.dtype), t)
+            for a, t in zip(anchor, target)]
+  reset = receive | rejoin
+  steps_since = jnp.where(reset, 0., steps_since)
+  tokens_since = jnp.where(reset, 0., tokens_since)
+  if cfg.rejoin_state == 'fresh':
+    fresh = inner.init(step.treedef.unflatten(target))
+    inner_state = jax.tree.map(lambda n, o: _local.select_leaf(rejoin, n, o),
+                               fresh, inner_state)
+  elif source is not None:
+    peer = _peer(cfg, inner_state, source)
+    inner_state = jax.tree.map(lambda n, o: _local.select_leaf(rejoin, n, o),
+                               peer, inner_state)
+  out = _local.updates_to(target, step.p_leaves)
+  new_state = DecoupledDilocoState(
+      inner_state=inner_state, anchor=step.treedef.unflatten(anchor),
+      outer_state=outer_state, count=optax.safe_increment(state.count),
+      merges=merges, steps_since=steps_since, tokens_since=tokens_since,
+      inner_steps=state.inner_steps + active.astype(jnp.int32),
+      codec_state=codec_states, left_out=left_out)
+  out, new_state = _local.varying_fn(cfg.comm)((out, new_state))
+  return step.treedef.unflatten(out), new_state
+
+
+def decoupled_eval_params(state: DecoupledDilocoState, params: optax.Params
+                          ) -> Any:
+  """The weights to evaluate: the global fragments ``Theta`` in params
+  dtypes (the syncer's model)."""
+  return _local.cast_like(state.anchor, params)
