@@ -577,6 +577,7 @@ def decoupled_diloco(
       source = None
     active, admitted, receive, rejoin, tokens = _masks(
         p_count, merge_p, active, admitted, receive, rejoin, tokens)
+    active = active & jnp.logical_not(rejoin)  # a returning learner waits
     if present is not None:  # worker dropout, as loc_opt.diloco takes it
       admitted = admitted & jnp.asarray(present, bool)
     return _update(cfg, inner, split(params), direct(params), updates, state,
