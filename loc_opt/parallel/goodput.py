@@ -209,6 +209,8 @@ def _union(starts: np.ndarray, ends: np.ndarray
 
 def _inside(t: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
   """Whether each of ``t`` lies in one of the disjoint sorted intervals."""
+  if starts.size == 0:
+    return np.zeros(np.shape(t), bool)
   i = np.searchsorted(starts, t, side='right') - 1
   return (i >= 0) & (t < ends[np.maximum(i, 0)])
 
