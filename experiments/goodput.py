@@ -33,6 +33,7 @@ Writes ``goodput.md`` and ``goodput.json`` to --workdir and the figure
 import dataclasses
 import math
 import pathlib
+import sys
 import time
 
 import numpy as np
@@ -334,7 +335,8 @@ def _assumptions():
 
 
 def main(argv):
-  command = ' '.join(['python -m experiments.goodput'] + argv[1:])
+  del argv  # absl leaves only the program name
+  command = ' '.join(['python -m experiments.goodput'] + sys.argv[1:])
   start = time.time()
   chips = [int(n) for n in _CHIPS.value]
   learners = [int(m) for m in _LEARNERS.value]
