@@ -1,4 +1,5 @@
-"""Meshes with a worker axis, per-worker runners, and collective accounting."""
+"""Meshes with a worker axis, per-worker runners, collective accounting, and
+the goodput of training policies under chip failures."""
 
 from loc_opt.parallel.collectives import worker_mean
 from loc_opt.parallel.mesh import AXES
@@ -10,6 +11,7 @@ from loc_opt.parallel.mesh import num_workers
 from loc_opt.parallel.mesh import WORKER
 from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers
+from loc_opt.parallel import goodput
 from loc_opt.parallel import ideal
 from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
@@ -20,3 +22,4 @@ from loc_opt.parallel.wallclock import collective_seconds
 from loc_opt.parallel.wallclock import cross_worker_transfers
 from loc_opt.parallel.wallclock import simulate as simulate_wallclock
 from loc_opt.parallel.wallclock import transfers_seconds
+from loc_opt.parallel.goodput import simulate as simulate_goodput
