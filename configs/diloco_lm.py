@@ -216,7 +216,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # grace window. Outer step: learning_rate, momentum above, per fragment.
   # See docs/decoupled_diloco.md.
   s = c.outer.decoupled_diloco = ml_collections.ConfigDict()
-  s.num_fragments = 5  # P: balanced bins of whole tensors (H % P == 0).
+  s.num_fragments = 2  # P: balanced bins of whole tensors (H % P == 0).
   s.overlap = 2  # tau: inner steps a sync may overlap (the grace slack).
   s.quorum = 1  # K: learners needed before a fragment merges.
   s.grace = 0.2  # gamma: fraction of the slack to wait after quorum.

@@ -35,8 +35,9 @@ Rules (:func:`decoupled_timeline`):
   The learners that reported by ``q + g`` are *admitted*; the merge runs
   on the tick holding ``q + g`` (one merge per tick; a second waits a
   tick), and every live learner receives the new fragment on the tick
-  holding ``q + g + sync_steps``. A round still open when the fragment's
-  next window opens is skipped (counted).
+  holding ``q + g + sync_steps`` (a fragment is not merged again before its
+  last merge arrived). A round still open when the fragment's next window
+  opens is skipped (counted).
 
 References:
   Douillard et al., *Decoupled DiLoCo for Resilient Distributed
@@ -139,6 +140,26 @@ class Timeline:
             'alive_fraction': float(self.alive.mean()),
             'merges': len(self.rounds), 'skipped': self.skipped,
             'mean_admitted': float(np.mean(admitted)) if admitted else 0.}
+
+
+def check_phase(sync: Any, num_fragments: int
+                ) -> tuple[int | None, int | None]:
+  """``(merge, source)`` of a phase: ``False`` (neither), or a pair: the
+  fragment merged on this step (or None) and the learner whose inner
+  state a returning learner copies (``rejoin_state='peer'``; or None)."""
+  if sync is False:
+    return None, None
+  ok = (isinstance(sync, tuple) and len(sync) == 2
+        and all(v is None or (isinstance(v, int) and not isinstance(v, bool)
+                              and v >= 0) for v in sync)
+        and (sync[0] is None or sync[0] < num_fragments)
+        and sync != (None, None))
+  if not ok:
+    raise ValueError(
+        'sync must be False or (merge, source) with merge a fragment in '
+        f'[0, {num_fragments}) or None and source a learner index or None '
+        f'(not both None), got {sync!r}')
+  return sync
 
 
 def chaos_failures(num_learners: int, num_steps: int, *, mtbf: float,
@@ -271,6 +292,23 @@ class _Learners:
     return float(live.max()) if live.size else float(self.step_time.max())
 
 
+def _report(r: dict[str, Any], p: int, active: np.ndarray,
+            finish: np.ndarray, learners: _Learners, *, quorum: int,
+            overlap: float, grace: float, grace_cap: float,
+            sync_steps: float) -> None:
+  """Round ``r`` of fragment ``p`` takes this tick's reports; once it has
+  ``quorum`` of them, its deadline is set (quorum time plus the grace
+  window)."""
+  for i in np.flatnonzero(active):
+    if i not in r['reported'] and learners.c_steps[i, p] > 0:
+      r['reported'][int(i)] = float(finish[i])
+  if r['deadline'] is None and len(r['reported']) >= quorum:
+    q = sorted(r['reported'].values())[quorum - 1]
+    slack = overlap * learners.slowest() - (q - r['opened']) - sync_steps
+    r['quorum'] = q
+    r['deadline'] = q + min(grace_cap, max(0., grace * slack))
+
+
 def decoupled_timeline(
     num_steps: int,
     *,
@@ -351,20 +389,19 @@ def decoupled_timeline(
       open_rounds[p] = {'opened': float(k), 'reported': {},
                         'deadline': None, 'quorum': None}
     for p, r in open_rounds.items():
-      for i in np.flatnonzero(active):
-        if i not in r['reported'] and learners.c_steps[i, p] > 0:
-          r['reported'][int(i)] = float(finish[i])
-      if r['deadline'] is None and len(r['reported']) >= quorum:
-        q = sorted(r['reported'].values())[quorum - 1]
-        slack = (overlap * learners.slowest() - (q - r['opened'])
-                 - sync_steps)
-        r['quorum'] = q
-        r['deadline'] = q + min(grace_cap, max(0., grace * slack))
+      _report(r, p, active, finish, learners, quorum=quorum,
+              overlap=overlap, grace=grace, grace_cap=grace_cap,
+              sync_steps=sync_steps)
     for p in [p for p, r in open_rounds.items()
               if r['deadline'] is not None and r['deadline'] <= k + 1]:
       ready.append((p, open_rounds.pop(p)))
-    if ready:  # one merge per tick, first come first served
-      p, r = ready.pop(0)
+    # One merge per tick, first come first served; a fragment whose last
+    # merge has not arrived yet waits for it (every live learner then has
+    # the syncer's fragment as its base).
+    waiting = {q for _, q in arrivals}
+    due = [j for j, (q, _) in enumerate(ready) if q not in waiting]
+    if due:
+      p, r = ready.pop(due[0])
       admitted = tuple(sorted(i for i, t in r['reported'].items()
                               if t <= r['deadline']))
       arrive = max(k, math.ceil(r['deadline'] + sync_steps) - 1)

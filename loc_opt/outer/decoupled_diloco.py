@@ -11,39 +11,36 @@ processed since it last received that fragment, takes an outer Nesterov
 step on the fragment, and sends the new global fragment back; a learner
 overwrites its copy when it arrives.
 
-This module holds the numerics: the merge as pure functions
-(:func:`token_weight`, :func:`weighted_average`,
-:func:`radial_directional_average`, :func:`merge_fragment`) and the
-transform :func:`decoupled_diloco`, which runs on the worker axis
-(``vmap`` / ``shard_map``) like every method of the family, with the
-timeline's decisions given per learner (``active``, ``admitted``,
-``receive``, ``rejoin``).
+Here: the merge as pure functions (:func:`token_weight`,
+:func:`weighted_average`, :func:`radial_directional_average`,
+:func:`merge_fragment`) and the transform :func:`decoupled_diloco`, run on
+the worker axis (``vmap`` / ``shard_map``) like the whole family, with the
+timeline's decisions per learner (``active``, ``admitted``, ``receive``,
+``rejoin``).
 
 Choices where the published description is ambiguous (see
 ``docs/decoupled_diloco.md``):
 
-* the outer gradient is taken against the syncer's previous global fragment,
-  ``Delta_m = Theta_p - theta_m`` (the description attributes this to the
-  paper's App. D.2). Every live learner receives every merged fragment
-  before that fragment is merged again, and a returning learner starts from
-  the global fragments, so the learner's base version is the same value
-  here; no per-learner base is kept;
+* the outer gradient is ``Delta_m = Theta_p - theta_m``, against the
+  syncer's previous global fragment (attributed to the paper's App. D.2).
+  Every live learner receives a merged fragment before it is merged again
+  (the timeline ensures it) and a returning learner starts from the global
+  fragments, so the learner's base version is the same value here;
 * RDA per parameter leaf (``rda_scope='leaf'``) or per whole fragment
   (``'fragment'``);
 * a received fragment overwrites the local copy (``alpha=0``) or is blended
   with it, as Streaming DiLoCo's ``alpha``;
-* when every learner's mean direction cancels (``|u| <= rda_eps``), RDA falls
-  back to the direct weighted average (under ``lax.cond``: its second
-  all-reduce runs only then).
+* where the mean direction cancels (``|u| <= rda_eps``) RDA falls back to
+  the weighted average (a ``lax.cond`` branch: its all-reduce runs only
+  then).
 
 References:
   Douillard et al., *Decoupled DiLoCo for Resilient Distributed
   Pre-training*, 2026. https://arxiv.org/abs/2604.21428
-  Douillard et al., *Streaming DiLoCo with overlapping communication*,
-  2025. https://arxiv.org/abs/2501.18512
+  Douillard et al., *Streaming DiLoCo with overlapping communication*, 2025.
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 import re
 from typing import Any, NamedTuple
 
@@ -56,8 +53,9 @@ from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.outer import _fragments
 from loc_opt.outer import _local
+from loc_opt.outer import decoupled_clock
+from loc_opt.outer._fragments import balanced_fragments  # noqa: F401
 
-Phase = Hashable
 MeanFn = Callable[[Any], Any]
 MERGES = ('rda', 'average')
 RDA_SCOPES = ('leaf', 'fragment')
@@ -66,40 +64,6 @@ REJOIN_STATES = ('keep', 'fresh', 'peer')
 # Leaves averaged directly under RDA: the input embedding (the paper's
 # embedding outer gradients are not near-orthogonal across learners).
 DIRECT_PATTERN = r'(^|/)embed'
-
-
-# ---------------------------------------------------------- fragments ---
-def balanced_fragments(params: Any, num_fragments: int) -> Any:
-  """Whole tensors bin-packed into ``num_fragments`` fragments of near-equal
-  size (Decoupled DiLoCo's *balanced tensor fragmentation*).
-
-  Greedy: leaves from largest to smallest (ties in tree-flatten order),
-  each into the fragment holding the fewest elements so far (ties: the
-  lowest index). Its peak is at most 4/3 of the even split ``N / P`` when
-  no leaf is larger than that (Graham's bound for largest-first).
-
-  Args:
-    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
-    num_fragments: ``P``, at most the number of leaves.
-
-  Returns:
-    A tree like ``params`` with the fragment index (int) of every leaf, for
-    ``fragments=`` of :func:`decoupled_diloco` or
-    :func:`loc_opt.streaming_diloco`.
-  """
-  _checks.positive_int(num_fragments, 'num_fragments')
-  leaves, treedef = jax.tree.flatten(params)
-  if num_fragments > len(leaves):
-    raise ValueError(f'num_fragments={num_fragments} is more than the '
-                     f'{len(leaves)} parameter leaves (whole tensors)')
-  sizes = [int(np.prod(x.shape)) for x in leaves]
-  loads = [0] * num_fragments
-  ids = [0] * len(leaves)
-  for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
-    p = min(range(num_fragments), key=lambda p: (loads[p], p))
-    ids[i] = p
-    loads[p] += sizes[i]
-  return treedef.unflatten(ids)
 
 
 # -------------------------------------------------------------- merge ---
@@ -284,26 +248,6 @@ class _Config(NamedTuple):
   compressor: compression.Compressor | None
   comm: compression.Comm | None
   codec_seed: int
-
-
-def check_phase(sync: Phase, num_fragments: int
-                ) -> tuple[int | None, int | None]:
-  """``(merge, source)`` of a phase: ``False`` (neither), or a pair: the
-  fragment merged on this step (or None) and the learner whose inner
-  state a returning learner copies (``rejoin_state='peer'``; or None)."""
-  if sync is False:
-    return None, None
-  ok = (isinstance(sync, tuple) and len(sync) == 2
-        and all(v is None or (isinstance(v, int) and not isinstance(v, bool)
-                              and v >= 0) for v in sync)
-        and (sync[0] is None or sync[0] < num_fragments)
-        and sync != (None, None))
-  if not ok:
-    raise ValueError(
-        'sync must be False or (merge, source) with merge a fragment in '
-        f'[0, {num_fragments}) or None and source a learner index or None '
-        f'(not both None), got {sync!r}')
-  return sync
 
 
 class _Step:
@@ -503,10 +447,10 @@ def decoupled_diloco(
     state, params, *, sync, active=None, admitted=None, receive=None,
     rejoin=None, tokens=None, present=None, **inner_args)`` takes the
     static phase ``sync`` (``False`` or ``(merge, source)``, see
-    :func:`check_phase`) and per-learner decisions (bool scalars,
-    ``receive`` bool ``[P]``, ``tokens`` a float; defaults: active,
-    admitted, no rejoin, one token per step; ``present=False`` leaves the
-    learner out of the merge like ``admitted=False``).
+    :func:`loc_opt.outer.decoupled_clock.check_phase`) and per-learner
+    decisions (bool scalars, ``receive`` bool ``[P]``, ``tokens`` a float;
+    defaults: active, admitted, no rejoin, one token per step;
+    ``present=False`` leaves the learner out like ``admitted=False``).
 
   References:
     Douillard et al., *Decoupled DiLoCo for Resilient Distributed
@@ -537,7 +481,7 @@ def decoupled_diloco(
 
   def split(params):
     ids = (fragments if fragments is not None
-           else balanced_fragments(params, p_count))
+           else _fragments.balanced_fragments(params, p_count))
     return _fragments.pieces(
         _fragments.leaf_fragments(params, ids, p_count), p_count)
 
@@ -549,20 +493,7 @@ def decoupled_diloco(
             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
   def init_fn(params):
-    anchor = _local.init_anchor(params, anchor_dtype)
-    a_leaves = jax.tree.leaves(anchor)
-    parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
-             for g in split(params)]
-    zeros = jnp.zeros([p_count], jnp.float32)
-    return DecoupledDilocoState(
-        inner_state=inner.init(params), anchor=anchor,
-        outer_state=tuple(cfg.outer.init(part) for part in parts),
-        count=jnp.zeros([], jnp.int32),
-        merges=jnp.zeros([p_count], jnp.int32), steps_since=zeros,
-        tokens_since=zeros, inner_steps=jnp.zeros([], jnp.int32),
-        codec_state=(() if cfg.compressor is None else
-                     tuple(cfg.compressor.init(part) for part in parts)),
-        left_out=jnp.zeros([], jnp.int32))
+    return _init(cfg, inner, params, split(params), anchor_dtype)
 
   def update_fn(updates, state, params=None, *, sync=None, active=None,
                 admitted=None, receive=None, rejoin=None, tokens=None,
@@ -572,7 +503,7 @@ def decoupled_diloco(
           'decoupled_diloco needs the static phase sync= of its timeline '
           '(loc_opt.outer.decoupled_timeline(...).plan()): False or '
           '(merge, source)')
-    merge_p, source = check_phase(sync, p_count)
+    merge_p, source = decoupled_clock.check_phase(sync, p_count)
     if source is not None and cfg.rejoin_state != 'peer':
       source = None
     active, admitted, receive, rejoin, tokens = _masks(
@@ -585,6 +516,27 @@ def decoupled_diloco(
                    receive, rejoin, tokens)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _init(cfg: _Config, inner: optax.GradientTransformation, params: Any,
+          groups: list[list[_fragments.Piece]], anchor_dtype: Any
+          ) -> DecoupledDilocoState:
+  """The initial state: the anchor, and one outer state (and codec state)
+  per fragment over its anchor pieces."""
+  anchor = _local.init_anchor(params, anchor_dtype)
+  a_leaves = jax.tree.leaves(anchor)
+  parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
+           for g in groups]
+  zeros = jnp.zeros([cfg.num_fragments], jnp.float32)
+  return DecoupledDilocoState(
+      inner_state=inner.init(params), anchor=anchor,
+      outer_state=tuple(cfg.outer.init(part) for part in parts),
+      count=jnp.zeros([], jnp.int32),
+      merges=jnp.zeros([cfg.num_fragments], jnp.int32), steps_since=zeros,
+      tokens_since=zeros, inner_steps=jnp.zeros([], jnp.int32),
+      codec_state=(() if cfg.compressor is None else
+                   tuple(cfg.compressor.init(part) for part in parts)),
+      left_out=jnp.zeros([], jnp.int32))
 
 
 def _update(cfg, inner, groups, direct, updates, state, params, extra_args,

@@ -1,4 +1,4 @@
-r"""Goodput under chip failures: a discrete-event Monte Carlo on a virtual clock.
+r"""Goodput under chip failures: a discrete-event Monte Carlo, virtual clock.
 
 A cluster of ``N`` chips is split into ``M`` learners of ``N / M`` chips.
 Each chip is interrupted on average once per ``mtbi_s`` (default one year),
@@ -272,7 +272,8 @@ def _dp(times, learners, num_chips, num_learners, a, horizon):
   run_ends = np.r_[starts, horizon]
   runs = np.maximum(run_ends - run_starts, 0.0)
   kept = runs.copy()
-  if a.checkpoint_every_s > 0:  # the last run ends at the horizon, not a failure
+  # the last run ends at the horizon, not a failure
+  if a.checkpoint_every_s > 0:
     kept[:-1] -= np.mod(runs[:-1], a.checkpoint_every_s)
   return num_chips * float(np.sum(kept)), float(np.sum(runs))
 

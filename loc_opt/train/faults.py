@@ -108,7 +108,8 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {'failures': failures, **chaos,
           'nan_grad_steps': steps, 'nan_grad_workers': workers,
           'nan_param_steps': param_steps,
-          'nan_param_workers': param_workers, 'max_bad_steps': limit, 'drop_syncs': drop_syncs,
+          'nan_param_workers': param_workers, 'max_bad_steps': limit,
+          'drop_syncs': drop_syncs,
           'drop_workers': drop_workers, 'drop_fraction': float(fraction)}
 
 

@@ -8,7 +8,6 @@ import pytest
 
 import loc_opt
 from loc_opt import outer
-from loc_opt import parallel
 from tests import optax_conformance as conf
 from tests.outer import _helpers as helpers
 
