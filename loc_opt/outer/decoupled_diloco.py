@@ -66,7 +66,6 @@ REJOIN_STATES = ('keep', 'fresh', 'peer')
 DIRECT_PATTERN = r'(^|/)embed'
 
 
-# -------------------------------------------------------------- merge ---
 def token_weight(tokens: jax.Array, steps: jax.Array) -> jax.Array:
   """A learner's merge weight ``c_tokens^2 / c_steps`` (tokens processed
   times tokens per inner step, both since it last received the fragment);
