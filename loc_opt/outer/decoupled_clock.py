@@ -317,7 +317,7 @@ def decoupled_timeline(
     num_fragments: int,
     overlap: float = 2,
     quorum: int = 1,
-    grace: float = 0.0,
+    grace: float = 0.2,
     grace_cap: float = 1.0,
     sync_steps: float = 1.0,
     speeds: Sequence[float] | None = None,
@@ -341,7 +341,8 @@ def decoupled_timeline(
       default described; ``M``: wait for everyone alive... or until the
       round is skipped).
     grace: ``gamma`` in ``[0, 1]``, the fraction of the slack the syncer
-      waits after quorum (0: no grace window).
+      waits after quorum (0: no grace window; 0.2, the value a
+      re-implementation uses, by default).
     grace_cap: the longest grace window, in ticks.
     sync_steps: ticks from a merge to its fragment's arrival at the
       learners (transfer plus merge time), below ``H``.

@@ -45,6 +45,7 @@ CASES = {
     'async_local_sgd': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
     'edit_diloco': {'outer.edit_diloco.warmup_syncs': 1},
     'co2': {},
+    'decoupled_diloco': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
 }
 TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
            'async_local_sgd')
