@@ -145,6 +145,21 @@ def _summarize(summary, config, clock) -> dict:
   return out
 
 
+def _merge_bytes(config) -> dict[str, int]:
+  """Bytes one learner sends per merge of each fragment, read from the
+  compiled merge programs (``phase -> bytes`` of the run's experiment)."""
+  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
+  exp = exp_lib.get_experiment(config)
+  out = {}
+  for p in range(config.outer.decoupled_diloco.num_fragments):
+    total = exp.programs.bytes_per_step[(p, None)]
+    out[f'fragment {p}'] = int(total / config.mesh.workers)
+  out['inner step'] = int(exp.programs.bytes_per_step[False])
+  out['data parallel step'] = int(
+      exp_lib.data_parallel_bytes_per_step(config) / config.mesh.workers)
+  return out
+
+
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -168,8 +183,15 @@ def main(argv):
       curve = {int(s): v for s, v in r['curve']['eval'].items()}
       r['loss_at_time'] = _at(curve, clocks[name], ref['seconds'], 1)
       r['loss_at_tokens'] = _at(curve, clocks[name], ref['tokens'], 0)
-  _runs.write(_WORKDIR.value, 'decoupled', _table(results, config),
-              {'config': config.to_dict(), 'runs': results})
+  table = _table(results, config)
+  merge_bytes = {}
+  if config.outer.method == 'decoupled_diloco':
+    merge_bytes = _merge_bytes(config)
+    table += ('\nBytes one learner sends (compiled HLO): ' + ', '.join(
+        f'{k} {v:,}' for k, v in merge_bytes.items()) + '.\n')
+  _runs.write(_WORKDIR.value, 'decoupled', table,
+              {'config': config.to_dict(), 'runs': results,
+               'bytes_per_learner': merge_bytes})
 
 
 if __name__ == '__main__':
