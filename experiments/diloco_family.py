@@ -2,8 +2,8 @@ r"""The DiLoCo family side by side at equal tokens on the reference LM.
 
 Trains the config's LM (4 workers x 2 devices) with data parallelism,
 DiLoCo, Streaming DiLoCo (fp32 and fp4 e3m0 outer gradients), Eager updates,
-NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO, EDiT, CO2 and asynchronous local
-SGD with one 2x-slower worker, all at the same sync period H where they have
+NoLoCo, DeMo, SparseLoCo, DES-LOC, MT-DAO, EDiT, CO2, and asynchronous local
+SGD and Decoupled DiLoCo with one 2x-slower worker, all at the same sync period H where they have
 one, and reports per run
 
 * the final eval loss (each method's evaluation weights: the anchor / outer
@@ -13,8 +13,8 @@ one, and reports per run
   (``loc_opt.parallel.wallclock``), for this model and projected to a
   larger one (``--projected_params``, ``--projected_step_time``).
 
-The asynchronous run processes the same number of tokens as the others:
-its slow worker takes a step every other tick, so it runs
+The asynchronous runs process the same number of tokens as the others:
+their slow worker takes a step every other tick, so it runs
 ``ceil(num_steps * M / sum(speeds))`` ticks. DiLoCo is also clocked with
 the same slow worker (synchronous methods wait for it; the numbers are
 DiLoCo's).
@@ -88,13 +88,16 @@ RUNS = {
     'co2': ('CO2 (one-round-stale outer step)', {'outer__method': 'co2'}),
     'async': ('async local SGD (2x straggler, DN + DyLU)',
               {'outer__method': 'async_local_sgd'}),
+    'decoupled': ('Decoupled DiLoCo (2x straggler, P=3, K=1 + grace)',
+                  {'outer__method': 'decoupled_diloco',
+                   'outer__decoupled_diloco__num_fragments': 3}),
 }
 
 
 def _config(base, name, sync_every, straggler):
   label, overrides = RUNS[name]
   c = _runs.variant(base, outer__sync_every=sync_every, **overrides)
-  if name == 'async':
+  if name in ('async', 'decoupled'):
     speeds = (1.0,) * (c.mesh.workers - 1) + (straggler,)
     c.wallclock.worker_speeds = speeds
     # Equal tokens: the slow worker takes fewer steps per tick.
