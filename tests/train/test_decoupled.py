@@ -15,6 +15,7 @@ from loc_opt import train
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import registry
+from loc_opt.train.method import shared_mask
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
 
@@ -61,6 +62,16 @@ def test_timeline_drives_the_run_and_sigterm_resumes_bit_exactly(
   state = full['state']['opt_state']
   np.testing.assert_array_equal(np.asarray(state.inner_steps),
                                 steps_taken)
+  # The shared fields (Method.shared_fields) are bit-identical on every
+  # learner; the learners' own counters differ (they step at their speeds).
+  mask = shared_mask(registry.METHODS['decoupled_diloco'], state)
+  for x, shared in zip(jax.tree.leaves(state), jax.tree.leaves(mask)):
+    x = np.asarray(x)
+    if shared:
+      for m in range(1, x.shape[0]):
+        np.testing.assert_array_equal(x[m], x[0])
+  assert not np.array_equal(np.asarray(state.steps_since)[2],
+                            np.asarray(state.steps_since)[0])
   # Learner 3 missed the merges while it was down.
   missed = sum(3 not in r.admitted for r in timeline.rounds)
   assert int(np.asarray(state.left_out)[3]) == missed > 0
