@@ -189,6 +189,10 @@ def _split_gathered(gathered: Any, shapes: list[list[tuple[int, ...]]]
   return parts
 
 
+def _padded(n: int, unit: int) -> int:
+  return -(-n // unit) * unit
+
+
 def _per_tensor_mean(codec: codecs_lib.Codec, leaves: list[jax.Array],
                      comm: comm_lib.Comm, key: jax.Array,
                      enc_key: jax.Array) -> tuple[list[Any], list[Any]]:
@@ -275,12 +279,10 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
       enc_key = jax.random.fold_in(key, comm.index())
     if codec.per_tensor:
       means, sent = _per_tensor_mean(codec, leaves, comm, key, enc_key)
-
-      def unpad(flats):
-        return treedef.unflatten([v[:size].reshape(jnp.shape(x)) for v, x,
-                                  size in zip(flats, leaves, sizes)])
-
-      return unpad(means), unpad(sent), state
+      means, sent = (treedef.unflatten([v[:x.size].reshape(x.shape) for v, x
+                                        in zip(vs, leaves)])
+                     for vs in (means, sent))
+      return means, sent, state
     if two_phase:
       w = comm.size()
       if w != workers:
@@ -319,8 +321,7 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
     if not n:
       return 0
     if codec.per_tensor:  # each tensor padded to whole blocks, own scale
-      unit = codec.block_size
-      return sum(codec.payload_bytes(-(-_size(x) // unit) * unit)
+      return sum(codec.payload_bytes(_padded(_size(x), codec.block_size))
                  for x in jax.tree.leaves(tree))
     if not two_phase:
       return codec.payload_bytes(n)
