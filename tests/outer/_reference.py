@@ -67,7 +67,7 @@ def mean(tree):
           for k, v in tree.items()}
 
 
-def run(tx, steps, *, phase=None, scale=None):
+def run(tx, steps, *, phase=None, scale=None, targets_fn=None):
   """Trains ``tx`` on the problem for ``steps`` steps.
 
   Args:
@@ -76,6 +76,7 @@ def run(tx, steps, *, phase=None, scale=None):
     phase: ``step -> sync`` (the static phase of each step), or ``None``
       (the transform decides on device).
     scale: per-leaf scale of the targets (see :func:`targets`).
+    targets_fn: ``step -> targets`` in place of :func:`targets`.
 
   Returns:
     ``(params, state)``: stacked params as float64 NumPy, and the state.
@@ -98,9 +99,9 @@ def run(tx, steps, *, phase=None, scale=None):
   params = {k: jnp.asarray(v, jnp.float32) for k, v in
             stacked(start()).items()}
   state = jax.vmap(tx.init)(params)
+  targets_fn = targets_fn or (lambda t: targets(t, scale))
   for t in range(steps):
-    c = {k: jnp.asarray(v, jnp.float32)
-         for k, v in targets(t, scale).items()}
+    c = {k: jnp.asarray(v, jnp.float32) for k, v in targets_fn(t).items()}
     params, state = program(None if phase is None else phase(t))(
         params, state, c)
   return {k: np.asarray(v, np.float64) for k, v in params.items()}, state
