@@ -35,10 +35,10 @@ from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.inner import multi_timescale
 from loc_opt.outer import _local
+from loc_opt.outer import plan as plan_lib
 from loc_opt.outer._state_fields import check_fields
 from loc_opt.outer._state_fields import find_state_field
 from loc_opt.outer._state_fields import map_state_field
-from loc_opt.outer import plan as plan_lib
 
 ArrayLike = jax.typing.ArrayLike
 
