@@ -186,6 +186,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.nu_sync_every = 0  # Second moment.
   s.slow_sync_every = 0  # Slow momenta (MT-DAO).
   s.nesterov = False  # Outer Nesterov on params, not averaging.
+  # When due states are averaged: 'before_update' (the paper's order: the
+  # old moments and parameters, before the moment update) or 'after_update'
+  # (the step on local states, then the means; DiLoCo's sync).
+  s.average_at = 'before_update'
+  # Coordinate-wise gradient clip radius before the moments (the paper's
+  # clip; it gives no radius, 1.0 is ours); None: no clip.
+  s.clip_radius = 1.0
   # Asynchronous local SGD ('async_local_sgd'), simulated: worker speeds are
   # wallclock.worker_speeds; server: Delayed Nesterov (learning_rate,
   # momentum above).

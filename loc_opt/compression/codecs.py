@@ -40,6 +40,10 @@ class Codec(NamedTuple):
       draws per worker, e.g. stochastic rounding; the caller folds in the
       worker index) or ``'shared'`` (the same draw on every worker, e.g. a
       random-k mask; decoding needs the same key).
+    per_tensor: whether the codec's statistics (an absmax scale, a mean and
+      table) span the whole array it encodes (``block_size=None``): a
+      compressor then encodes each tensor of a tree on its own, so that
+      every tensor gets its own scale, instead of one buffer of all of them.
   """
 
   name: str
@@ -50,6 +54,7 @@ class Codec(NamedTuple):
   exact: bool = False
   linear: bool = False
   randomness: str = 'none'
+  per_tensor: bool = False
 
 
 def identity() -> Codec:

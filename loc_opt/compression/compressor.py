@@ -161,6 +161,68 @@ def leafwise(
 REDUCTIONS = ('gather', 'two_phase')
 
 
+def _concat_payloads(payloads: list[Any]) -> tuple[Any, list[Any]]:
+  """One payload of several: each payload leaf flattened and concatenated
+  over the parts; and, per part, the shapes of its leaves."""
+  joined = jax.tree.map(lambda *xs: jnp.concatenate([jnp.ravel(x)
+                                                     for x in xs]),
+                        *payloads)
+  shapes = [[x.shape for x in jax.tree.leaves(p)] for p in payloads]
+  return joined, shapes
+
+
+def _split_gathered(gathered: Any, shapes: list[list[tuple[int, ...]]]
+                    ) -> list[Any]:
+  """The parts of every worker's :func:`_concat_payloads` payload, from
+  their all-gather (leaves ``[W, total]``); leaves ``[W, *shape]``."""
+  leaves, treedef = jax.tree.flatten(gathered)
+  starts = [0] * len(leaves)
+  parts = []
+  for part in shapes:
+    pieces = []
+    for j, (x, shape) in enumerate(zip(leaves, part)):
+      n = math.prod(shape)
+      pieces.append(x[:, starts[j]:starts[j] + n].reshape(
+          (x.shape[0],) + tuple(shape)))
+      starts[j] += n
+    parts.append(treedef.unflatten(pieces))
+  return parts
+
+
+def _padded(n: int, unit: int) -> int:
+  return -(-n // unit) * unit
+
+
+def _per_tensor_mean(codec: codecs_lib.Codec, leaves: list[jax.Array],
+                     comm: comm_lib.Comm, key: jax.Array,
+                     enc_key: jax.Array) -> tuple[list[Any], list[Any]]:
+  """The all-gather mean of a codec with one scale per array, tensor by
+  tensor.
+
+  Each leaf is padded to the codec's block size and encoded on its own
+  (key ``fold_in(enc_key, i)`` for leaf ``i``); the payloads are joined
+  leaf by leaf (all codes in one array, all scales in another), so one
+  payload crosses workers as before, with one scale per tensor.
+
+  Returns:
+    ``(means, sent)``: per leaf, the flat float32 mean over workers and this
+    worker's decoded contribution (padded lengths).
+  """
+  flats = [comm_lib.pad_to(jnp.ravel(x).astype(jnp.float32),
+                           codec.block_size) for x in leaves]
+  payloads = [codec.encode(f, jax.random.fold_in(enc_key, i))
+              for i, f in enumerate(flats)]
+  joined, shapes = _concat_payloads(payloads)
+  gathered = _split_gathered(comm.all_gather(joined), shapes)
+  means, sent = [], []
+  for f, own, every in zip(flats, payloads, gathered):
+    n = f.size
+    sent.append(codec.decode(own, n, key))
+    decoded = jax.vmap(lambda p, n=n: codec.decode(p, n, key))(every)
+    means.append(jnp.mean(decoded, axis=0))
+  return means, sent
+
+
 def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
                workers: int | None = None) -> Compressor:
   """The mean over workers of a tree sent through ``codec``.
@@ -193,6 +255,11 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   """
   _checks.one_of(reduce, 'reduce', REDUCTIONS)
   two_phase = reduce == 'two_phase' and not codec.linear
+  if two_phase and codec.per_tensor:
+    raise ValueError(
+        f'reduce=\'two_phase\' splits a buffer into per-worker parts and '
+        f'cannot keep one scale per tensor: give codec {codec.name!r} a '
+        'block_size')
   if two_phase:
     workers = _checks.positive_int(
         workers, 'workers (for reduce=\'two_phase\')', arrays=True)
@@ -210,6 +277,12 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
     enc_key = key
     if codec.randomness == 'per_worker':
       enc_key = jax.random.fold_in(key, comm.index())
+    if codec.per_tensor:
+      means, sent = _per_tensor_mean(codec, leaves, comm, key, enc_key)
+      means, sent = (treedef.unflatten([v[:x.size].reshape(x.shape) for v, x
+                                        in zip(vs, leaves)])
+                     for vs in (means, sent))
+      return means, sent, state
     if two_phase:
       w = comm.size()
       if w != workers:
@@ -247,6 +320,9 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
     n = sum(_size(x) for x in jax.tree.leaves(tree))
     if not n:
       return 0
+    if codec.per_tensor:  # each tensor padded to whole blocks, own scale
+      return sum(codec.payload_bytes(_padded(_size(x), codec.block_size))
+                 for x in jax.tree.leaves(tree))
     if not two_phase:
       return codec.payload_bytes(n)
     # all-to-all operand (W encoded parts) + the averaged part all-gathered

@@ -2,7 +2,9 @@ r"""Quantization codecs: int8, int4, fp8, fp4 and a 2-bit statistical code.
 
 Every codec here is a :class:`~loc_opt.compression.codecs.Codec` over a flat
 float array split into blocks of ``block_size`` values (``None``: the whole
-array is one block, a per-tensor scale). The block-wise *absmax* codecs send,
+array is one block; such a codec is marked ``per_tensor`` and the
+compressors of :mod:`~loc_opt.compression.compressor` encode each tensor of
+a tree on its own, so that every tensor has its own scale). The block-wise *absmax* codecs send,
 per block, one float32 scale and one low-precision code per value:
 
 .. math::
@@ -195,6 +197,7 @@ def _absmax_codec(name: str, block_size: int | None, *, qmax: float,
       payload_bytes=payload_bytes,
       block_size=multiple,
       randomness='per_worker' if stochastic else 'none',
+      per_tensor=block_size is None,
   )
 
 
@@ -367,8 +370,9 @@ def fp4_codec(fmt: str = 'e2m1', block_size: int | None = 256, *,
 
   Args:
     fmt: ``'e2m1'`` or ``'e3m0'``.
-    block_size: values per scale (even), or ``None`` for one per array (the
-      per-tensor scale of the Streaming DiLoCo spec).
+    block_size: values per scale (even), or ``None`` for one per array: a
+      per-tensor scale (the Streaming DiLoCo spec's default), since
+      compressors encode each tensor of a tree separately for such a codec.
     rounding: ``'nearest'`` or ``'stochastic'``.
 
   Returns:
@@ -454,6 +458,7 @@ def two_bit_codec(block_size: int | None = 256, *,
       decode=decode,
       payload_bytes=lambda n: n // 4 + 20 * _num_blocks(n, block_size),
       block_size=multiple,
+      per_tensor=block_size is None,
   )
 
 

@@ -4,10 +4,12 @@ row slices of stacked (scanned) leaves.
 A fragment is a list of *pieces*. A piece is a whole leaf, or, for a leaf
 whose leading axis stacks the blocks of a scanned model (``model.scan_layers``,
 shape ``[L, ...]``), the rows of that axis (the blocks) that belong to the
-fragment. A fragment's pseudo-gradient, outer state, in-flight buffer and
-codec state are lists over its pieces, so with stacked leaves a fragment
-still holds only its own blocks, and with unstacked leaves (every piece a
-whole leaf) nothing is sliced at all.
+fragment. A fragment's pseudo-gradient, outer state and in-flight buffer
+are lists over its pieces, so with stacked leaves a fragment still holds
+only its own blocks, and with unstacked leaves (every piece a whole leaf)
+nothing is sliced at all. A codec sees (and keeps its state over) the
+fragment's *tensors* (:func:`tensors`): each row of a stacked piece on its
+own, so that a per-tensor scale is per block either way.
 
 Rows are read with a (strided) ``lax.slice`` and written back with
 ``lax.pad`` and a select on a constant row mask: no gather or scatter, so
@@ -314,6 +316,37 @@ def piece_shape(leaf: Any, rows: Rows) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
 
+def tensors(group: Sequence[Piece], arrays: Sequence[Any]) -> list[Any]:
+  """A fragment's arrays as the codec sees them, one per tensor: a whole
+  leaf as it is, and each row of a stacked piece (one block's tensor) on
+  its own, so that a codec with one scale per tensor scales the blocks of
+  stacked leaves as it scales the same blocks held as separate leaves."""
+  out = []
+  for piece, x in zip(group, arrays, strict=True):
+    if piece.rows is None:
+      out.append(x)
+    elif isinstance(x, jax.ShapeDtypeStruct):
+      out += [jax.ShapeDtypeStruct(x.shape[1:], x.dtype)] * x.shape[0]
+    else:
+      out += list(x)
+  return out
+
+
+def from_tensors(group: Sequence[Piece], arrays: Sequence[Any],
+                 tensors_: Sequence[Any]) -> list[Any]:
+  """The inverse of :func:`tensors`: rows stacked back into pieces shaped
+  like ``arrays``."""
+  out, start = [], 0
+  for piece, x in zip(group, arrays, strict=True):
+    if piece.rows is None:
+      out.append(tensors_[start])
+      start += 1
+    else:
+      out.append(jnp.stack(tensors_[start:start + x.shape[0]]))
+      start += x.shape[0]
+  return out
+
+
 def fragment_bytes(
     params: Any,
     fragments: Any | FragmentFn,
@@ -338,6 +371,11 @@ def fragment_bytes(
   leaves = jax.tree.leaves(params)
   ids = leaf_fragments(params, fragments, None)
   groups = pieces(ids, max(_flat(ids)) + 1)
-  return [_local.pseudo_gradient_bytes(
-      [leaves[i] if rows is None else piece_shape(leaves[i], rows)
-       for i, rows in g], dtype, codec) for g in groups]
+  out = []
+  for g in groups:
+    shapes = [leaves[i] if rows is None else piece_shape(leaves[i], rows)
+              for i, rows in g]
+    if codec is not None:
+      shapes = tensors(g, shapes)
+    out.append(_local.pseudo_gradient_bytes(shapes, dtype, codec))
+  return out

@@ -11,7 +11,9 @@ slow momenta (:mod:`loc_opt.inner.multi_timescale`).
 
 Each step's *phase* (see :mod:`loc_opt.outer.plan`) is ``False`` (nothing
 crosses workers) or the sorted tuple of what is averaged, e.g.
-``('mu', 'params')``.
+``('mu', 'params')``. By default the due quantities are averaged before the
+step's moment update, as in the paper's algorithm (``average_at``), and
+gradients are clipped coordinate-wise first (``clip_radius``).
 
 References:
   Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
@@ -34,6 +36,9 @@ from loc_opt import compression
 from loc_opt.inner import multi_timescale
 from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
+from loc_opt.outer._state_fields import check_fields
+from loc_opt.outer._state_fields import find_state_field
+from loc_opt.outer._state_fields import map_state_field
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -44,6 +49,10 @@ PARAMS = 'params'
 DEFAULT_STATE_FACTORS = {'mu': 3, 'nu': 6}
 
 Phase = bool | tuple[str, ...]
+# Where in a step the due states are replaced by their worker means.
+AVERAGE_AT = ('before_update', 'after_update')
+# The default radius of the coordinate-wise gradient clip (see desloc).
+DEFAULT_CLIP_RADIUS = 1.0
 
 
 class DeslocState(NamedTuple):
@@ -85,51 +94,6 @@ def _periods(sync_every: int,
   return periods
 
 
-def _is_owner(name: str) -> Callable[[Any], bool]:
-  """Whether a node is a NamedTuple with a field ``name``."""
-  def check(node):
-    return (isinstance(node, tuple) and hasattr(node, '_fields')
-            and name in node._fields)
-  return check
-
-
-def map_state_field(state: Any, name: str, fn: Callable[[Any], Any]) -> Any:
-  """Replaces field ``name`` of every NamedTuple in ``state`` by ``fn(it)``.
-
-  Args:
-    state: an optimizer state tree (chains, ``inject_hyperparams`` and
-      ``masked`` states are searched through).
-    name: a NamedTuple field name, e.g. ``'mu'``.
-    fn: ``subtree -> subtree``.
-
-  Returns:
-    The state with each such field mapped.
-  """
-  owner = _is_owner(name)
-
-  def leaf(node):
-    if owner(node):
-      return node._replace(**{name: fn(getattr(node, name))})
-    return node
-
-  return jax.tree.map(leaf, state, is_leaf=owner)
-
-
-def find_state_field(state: Any, name: str) -> list[Any]:
-  """The subtrees stored under field ``name`` of NamedTuples in ``state``."""
-  owner = _is_owner(name)
-  nodes = jax.tree.leaves(state, is_leaf=owner)
-  return [getattr(node, name) for node in nodes if owner(node)]
-
-
-def _check_fields(inner_state: Any, names: Sequence[str]) -> None:
-  for name in names:
-    if not find_state_field(inner_state, name):
-      raise ValueError(
-          f'state_sync_every names the field {name!r}, which no NamedTuple '
-          f'of the inner optimizer state has')
-
-
 def _phase_names(sync: Any, periods: Mapping[str, int]) -> tuple[str, ...]:
   """The names a static phase syncs (validated)."""
   if sync is False:
@@ -166,25 +130,117 @@ def _sync_fields(inner_state: Any, names: Sequence[str],
   return inner_state
 
 
-def _sync_params(outer: optax.GradientTransformation | None,
-                 comm: compression.Comm | None, state: DeslocState,
-                 params: optax.Params, inner_updates: optax.Updates
-                 ) -> tuple[Any, ...]:
-  """The parameter sync: ``(updates, anchor, outer state, 1)``."""
-  local = optax.apply_updates(params, inner_updates)
+def _param_mean(outer: optax.GradientTransformation | None,
+                comm: compression.Comm | None, state: DeslocState,
+                local: optax.Params) -> tuple[Any, Any]:
+  """The parameter sync of the workers' ``local`` parameters:
+  ``(anchor, outer state)``, the mean (plain) or the outer step on the mean
+  pseudo-gradient ``mean(anchor - local)``."""
   mean = _mean_fn(comm)
   if outer is None:
     anchor = mean(jax.tree.map(lambda a, x: x.astype(a.dtype), state.anchor,
                                local))
-    outer_state = state.outer_state
-  else:
-    delta = mean(_local.pseudo_gradient(state.anchor, local))
-    outer_updates, outer_state = outer.update(
-        delta, state.outer_state, state.anchor)
-    anchor = optax.apply_updates(state.anchor, outer_updates)
-  new_updates = _local.updates_to(anchor, params)
-  return (*_local.varying_fn(comm)((new_updates, anchor, outer_state)),
-          jnp.ones([], jnp.int32))
+    return anchor, state.outer_state
+  delta = mean(_local.pseudo_gradient(state.anchor, local))
+  outer_updates, outer_state = outer.update(
+      delta, state.outer_state, state.anchor)
+  return optax.apply_updates(state.anchor, outer_updates), outer_state
+
+
+def _clip(updates: optax.Updates, radius: ArrayLike | None) -> optax.Updates:
+  """Each gradient coordinate clipped to ``[-radius, radius]``."""
+  if radius is None:
+    return updates
+  return jax.tree.map(lambda g: jnp.clip(g, -radius, radius).astype(g.dtype),
+                      updates)
+
+
+class _Due:
+  """What a step syncs: decided on device from ``count`` (one ``lax.cond``
+  per synced quantity) or at trace time from a static phase."""
+
+  def __init__(self, sync: Any, count: jax.Array,
+               periods: Mapping[str, int], comm: compression.Comm | None):
+    self.count, self.periods, self.comm = count, periods, comm
+    self.names = None if sync is None else _phase_names(sync, periods)
+
+  def _due(self, name: str) -> jax.Array:
+    return (self.count + 1) % self.periods[name] == 0
+
+  def states(self, inner_state: Any) -> Any:
+    """``inner_state`` with each due field replaced by its worker mean."""
+    fields = [name for name in sorted(self.periods) if name != PARAMS]
+    if self.names is not None:
+      return _sync_fields(
+          inner_state, [n for n in self.names if n in fields], self.comm)
+    for name in fields:
+      inner_state = jax.lax.cond(
+          self._due(name),
+          lambda s, n=name: _sync_fields(s, (n,), self.comm),
+          lambda s: s, inner_state)
+    return inner_state
+
+  def params(self, sync: Callable[[], Any], keep: Callable[[], Any]) -> Any:
+    """``(sync(), 1)`` on a parameter-sync step, else ``(keep(), 0)`` (the
+    outputs typed per-worker inside ``shard_map``; int32 flags)."""
+    vary = _local.varying_fn(self.comm)
+
+    def on_sync(_):
+      return vary(sync()), jnp.ones([], jnp.int32)
+
+    def on_keep(_):
+      return vary(keep()), jnp.zeros([], jnp.int32)
+
+    if self.names is not None:
+      return on_sync(None) if PARAMS in self.names else on_keep(None)
+    return jax.lax.cond(self._due(PARAMS), on_sync, on_keep, None)
+
+
+def _step_after(inner_step, outer, comm, state, params, due):
+  """``average_at='after_update'``: the inner step on the local states,
+  then the due states replaced by their means and, on a parameter sync,
+  the parameters after the inner update synced (DiLoCo's order).
+
+  Returns ``(updates, inner state, anchor, outer state, synced)``.
+  """
+  inner_updates, inner_state = inner_step(state.inner_state, params)
+  inner_state = due.states(inner_state)
+
+  def sync():
+    local = optax.apply_updates(params, inner_updates)
+    anchor, outer_state = _param_mean(outer, comm, state, local)
+    return _local.updates_to(anchor, params), anchor, outer_state
+
+  (updates, anchor, outer_state), synced = due.params(
+      sync, lambda: (inner_updates, state.anchor, state.outer_state))
+  return updates, inner_state, anchor, outer_state, synced
+
+
+def _step_before(inner_step, outer, comm, state, params, due):
+  """``average_at='before_update'``: the due states replaced by their means
+  and, on a parameter sync, the parameters synced, before the step; the
+  inner step then updates the synced states with this worker's gradient
+  (taken at its own parameters) and moves the synced parameters.
+
+  Returns ``(updates, inner state, anchor, outer state, synced)``.
+  """
+  inner_state = due.states(state.inner_state)
+
+  def sync():
+    anchor, outer_state = _param_mean(outer, comm, state, params)
+    return (_local.cast_like(anchor, params),
+            _local.updates_to(anchor, params), anchor, outer_state)
+
+  def keep():
+    return (params, jax.tree.map(jnp.zeros_like, params), state.anchor,
+            state.outer_state)
+
+  (base, shift, anchor, outer_state), synced = due.params(sync, keep)
+  inner_updates, inner_state = inner_step(inner_state, base)
+  # theta + shift lands on the synced parameters, then the inner update.
+  updates = jax.tree.map(lambda u, d: (u + d).astype(u.dtype), inner_updates,
+                         shift)
+  return updates, inner_state, anchor, outer_state, synced
 
 
 def desloc(
@@ -195,27 +251,44 @@ def desloc(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
+    average_at: str = 'before_update',
+    clip_radius: ArrayLike | None = DEFAULT_CLIP_RADIUS,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DES-LOC: parameters and optimizer states averaged on their own periods.
 
-  Every worker runs ``inner`` on its own gradients. After the inner update of
-  the step after ``count`` inner steps, each state field ``s`` whose period
-  is due (``(count + 1) % K_s == 0``) is replaced by its mean over workers,
-  and when the parameter period ``K_x`` is due the parameters are synced:
+  Every worker clips its gradient coordinate-wise,
+  :math:`\hat g = \mathrm{clip}(g, -\rho, \rho)`, and runs ``inner`` on it.
+  On the step after ``count`` inner steps (step :math:`t = count + 1`),
+  each state ``s`` whose period is due (:math:`t \bmod K_s = 0`) is
+  replaced by its mean over workers, and when the parameter period
+  :math:`K_x` is due so are the parameters. By default
+  (``average_at='before_update'``) this happens before the step, as in the
+  paper's algorithm: with the first moment :math:`u`, the second :math:`v`
+  and :math:`\bar s` the worker mean of ``s`` where due (``s`` itself
+  otherwise),
 
   .. math::
 
-    \theta' = \theta + u, \qquad
-    \text{plain: } \phi \leftarrow \operatorname{mean}_{workers} \theta',
-    \qquad \text{outer: } \phi \leftarrow \phi + \mathrm{outer}(
-    \operatorname{mean}_{workers}(\phi - \theta')), \qquad
-    \theta \leftarrow \phi .
+    u \leftarrow \beta_1 \bar u + (1 - \beta_1) \hat g, \quad
+    v \leftarrow \beta_2 \bar v + (1 - \beta_2) \hat g^2, \quad
+    x \leftarrow \bar x - \gamma_t\, u / (\sqrt{v} + \epsilon),
 
-  The returned update on a parameter sync is :math:`\phi - \theta`, so
-  ``optax.apply_updates`` stays the only way the parameters change. State
-  means are taken in each state's dtype; the parameter mean (or the
-  pseudo-gradient mean) in the anchor dtype. On a mesh each element crosses
-  workers once per worker (``loc_opt.compression.Comm``).
+  where :math:`\hat g` was taken at the worker's own :math:`x` and the
+  parameter mean :math:`\bar x` is the anchor :math:`\phi` (plain
+  averaging) or :math:`\phi + \mathrm{outer}(\operatorname{mean}(\phi -
+  x))` with an outer optimizer; the inner update (weight decay included)
+  sees :math:`\bar x`. With ``average_at='after_update'`` the step runs on
+  the local states and parameters first and the due quantities are then
+  replaced by their means, the parameters being those after the inner
+  update, :math:`\theta' = \theta + u` (DiLoCo's sync, so that with no
+  state synced and ``outer`` given this is :func:`loc_opt.diloco`); the
+  next gradient is then taken at the averaged point.
+
+  The returned update lands the parameters where the rule says, so
+  ``optax.apply_updates`` stays the only way they change. State means are
+  taken in each state's dtype; the parameter mean (or the pseudo-gradient
+  mean) in the anchor dtype. On a mesh each element crosses workers once
+  per worker (``loc_opt.compression.Comm``).
 
   With ``K_u = K_v = K_x`` this is Local Adam (:func:`local_adam`); with
   ``outer=optax.sgd(1.0)`` the parameter sync equals plain averaging. Every
@@ -238,19 +311,28 @@ def desloc(
       are averaged). Default ``{'mu': 3 K_x, 'nu': 6 K_x}``. Every period is
       a finite positive int.
     outer: the optimizer of the parameter sync, fed the averaged
-      pseudo-gradient :math:`\operatorname{mean}(\phi - \theta')` (e.g.
+      pseudo-gradient :math:`\operatorname{mean}(\phi - x)` (e.g.
       ``optax.sgd(0.7, momentum=0.9, nesterov=True)``); ``None`` for plain
       averaging.
     axis_name: the worker axis; ``None`` for one worker (no collectives).
     anchor_dtype: the minimum precision of the anchor, the parameter mean
       and the outer state (fp32 by default).
+    average_at: ``'before_update'`` (default: the order of the paper's
+      algorithm and of the spec, whose analysis averages the states the
+      step reads) or ``'after_update'`` (DiLoCo's sync of the updated
+      parameters; the only order of earlier loc_opt versions).
+    clip_radius: :math:`\rho` of the coordinate-wise gradient clip the
+      paper applies before the moments; the paper gives no value, 1.0 is
+      ours. ``None`` turns the clip off (the gradients reach ``inner`` as
+      they are).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
 
   Raises:
-    ValueError: on a period that is not a positive int, or (at ``init``) a
-      field of ``state_sync_every`` that the inner state lacks.
+    ValueError: on a period that is not a positive int, an unknown
+      ``average_at``, a ``clip_radius`` that is not positive, or (at
+      ``init``) a field of ``state_sync_every`` that the inner state lacks.
 
   Example:
     >>> import optax
@@ -261,16 +343,20 @@ def desloc(
 
   References:
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
-    for Training Foundation Models*, 2025.
+    for Training Foundation Models*, 2025. https://arxiv.org/abs/2505.22549
   """
   periods = _periods(sync_every, state_sync_every)
   fields = tuple(name for name in sorted(periods) if name != PARAMS)
+  step_fn = {'before_update': _step_before, 'after_update': _step_after}[
+      _checks.one_of(average_at, 'average_at', AVERAGE_AT)]
+  if clip_radius is not None and not _checks.is_traced(clip_radius):
+    _checks.positive_float(clip_radius, 'clip_radius')
   inner = optax.with_extra_args_support(inner)
   comm = None if axis_name is None else compression.Comm(axis_name)
 
   def init_fn(params):
     inner_state = inner.init(params)
-    _check_fields(inner_state, fields)
+    check_fields(inner_state, fields)
     anchor = _local.init_anchor(params, anchor_dtype)
     zero = jnp.zeros([], jnp.int32)
     return DeslocState(
@@ -282,32 +368,19 @@ def desloc(
     )
 
   def update_fn(updates, state, params=None, *, sync=None, **extra_args):
-    inner_updates, inner_state = _local.inner_step(
-        inner, 'desloc', updates, state.inner_state, params, extra_args)
-    _check_fields(inner_state, fields)
+    if params is None:
+      raise ValueError('desloc needs params: call update(updates, state, '
+                       'params)')
+    check_fields(state.inner_state, fields)
+    grads = _clip(updates, clip_radius)
 
-    def sync_params(_):
-      return _sync_params(outer, comm, state, params, inner_updates)
+    def inner_step(inner_state, at):
+      return _local.inner_step(inner, 'desloc', grads, inner_state, at,
+                               extra_args)
 
-    def keep_params(_):
-      return (inner_updates, state.anchor, state.outer_state,
-              jnp.zeros([], jnp.int32))
-
-    if sync is None:
-      def due(name):
-        return (state.count + 1) % periods[name] == 0
-
-      for name in fields:
-        inner_state = jax.lax.cond(
-            due(name), lambda s, n=name: _sync_fields(s, (n,), comm),
-            lambda s: s, inner_state)
-      out = jax.lax.cond(due(PARAMS), sync_params, keep_params, None)
-    else:
-      names = _phase_names(sync, periods)
-      inner_state = _sync_fields(
-          inner_state, [name for name in names if name != PARAMS], comm)
-      out = sync_params(None) if PARAMS in names else keep_params(None)
-    new_updates, anchor, outer_state, synced = out
+    new_updates, inner_state, anchor, outer_state, synced = step_fn(
+        inner_step, outer, comm, state, params,
+        _Due(sync, state.count, periods, comm))
     return new_updates, DeslocState(
         inner_state=inner_state,
         anchor=anchor,
@@ -327,6 +400,8 @@ def local_adam(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
+    average_at: str = 'before_update',
+    clip_radius: ArrayLike | None = DEFAULT_CLIP_RADIUS,
 ) -> optax.GradientTransformationExtraArgs:
   """Local Adam: parameters and all moments averaged every ``sync_every``.
 
@@ -340,6 +415,8 @@ def local_adam(
     outer: as in :func:`desloc` (``None``: plain averaging).
     axis_name: the worker axis; ``None`` for one worker.
     anchor_dtype: as in :func:`desloc`.
+    average_at: as in :func:`desloc` (default ``'before_update'``).
+    clip_radius: as in :func:`desloc` (``None``: no clip).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -356,7 +433,8 @@ def local_adam(
   k = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   return desloc(inner, sync_every=k,
                 state_sync_every={name: k for name in state_fields},
-                outer=outer, axis_name=axis_name, anchor_dtype=anchor_dtype)
+                outer=outer, axis_name=axis_name, anchor_dtype=anchor_dtype,
+                average_at=average_at, clip_radius=clip_radius)
 
 
 def mt_dao(
@@ -375,6 +453,8 @@ def mt_dao(
     outer: optax.GradientTransformation | None = None,
     axis_name: str | None = 'worker',
     anchor_dtype: Any = jnp.float32,
+    average_at: str = 'before_update',
+    clip_radius: ArrayLike | None = DEFAULT_CLIP_RADIUS,
 ) -> optax.GradientTransformationExtraArgs:
   r"""MT-DAO: DES-LOC over multi-timescale Adam.
 
@@ -399,6 +479,9 @@ def mt_dao(
     outer: as in :func:`desloc` (``None``: plain averaging).
     axis_name: the worker axis; ``None`` for one worker.
     anchor_dtype: as in :func:`desloc`.
+    average_at: as in :func:`desloc` (default ``'before_update'``).
+    clip_radius: the coordinate-wise gradient clip (the MT-DAO rule clips
+      :math:`\hat g = \mathrm{clip}(g)` too), as in :func:`desloc`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -428,6 +511,8 @@ def mt_dao(
       outer=outer,
       axis_name=axis_name,
       anchor_dtype=anchor_dtype,
+      average_at=average_at,
+      clip_radius=clip_radius,
   )
 
 

@@ -56,7 +56,8 @@ class StreamingDilocoState(NamedTuple):
     sends: int32 ``[P]``, syncs started (pseudo-gradients sent) per fragment.
     applies: int32 ``[P]``, outer updates applied per fragment.
     codec_state: tuple of ``P`` per-fragment compressor states (error
-      buffers, kept across syncs); ``()`` without a codec.
+      buffers, kept across syncs) over the fragment's tensors (each row of
+      a stacked piece on its own); ``()`` without a codec.
     left_out: int32 scalar, sends this worker was left out of the mean.
   """
 
@@ -169,7 +170,8 @@ def _init(cfg: _Config, inner: optax.GradientTransformation,
       sends=zeros,
       applies=zeros,
       codec_state=(() if cfg.compressor is None else
-                   tuple(cfg.compressor.init(part) for part in parts)),
+                   tuple(cfg.compressor.init(_fragments.tensors(g, part))
+                         for g, part in zip(groups, parts))),
       left_out=jnp.zeros([], jnp.int32),
   )
 
@@ -206,11 +208,15 @@ class _Step:
     delta = _local.pseudo_gradient([self.anchor(pc) for pc in group],
                                    [self.local(pc) for pc in group])
     state = () if cfg.compressor is None else codec_states[p]
+    if cfg.compressor is not None:  # one tensor per block of stacked rows
+      delta = _fragments.tensors(group, delta)
     mean, _, cs, included = _local.guarded_mean(
         delta, state, self.present, compressor=cfg.compressor,
         comm=cfg.comm, seed=cfg.codec_seed, index=self.state.count,
         mean_fn=_local.identity if cfg.comm is None else cfg.comm.pmean)
     if cfg.compressor is not None:
+      mean = _fragments.from_tensors(
+          group, [self.anchor(pc) for pc in group], mean)
       codec_states = codec_states[:p] + (cs,) + codec_states[p + 1:]
     return mean, codec_states, included
 
@@ -356,8 +362,9 @@ def streaming_diloco(
       the in-flight buffers.
     codec: compress the pseudo-gradients: a ``loc_opt.compression`` codec
       or compressor or its name, e.g. ``('fp4_e3m0', {'block_size':
-      None})`` (one absmax scale per fragment payload). Each
-      fragment keeps its own compressor state across syncs.
+      None})`` (one fp32 absmax scale per tensor of the fragment, the
+      spec's default; each block of a stacked leaf counts as a tensor).
+      Each fragment keeps its own compressor state across syncs.
     codec_seed: seed of the key shared by all workers on each send (folded
       with the step count), for codecs that draw random numbers.
 

@@ -313,8 +313,16 @@ def _desloc_plan(config, mt=False):
   if mt and config.optimizer.name != 'multi_timescale_adam':
     raise ValueError(f"outer.method='mt_dao' needs optimizer.name="
                      f"'multi_timescale_adam', got {config.optimizer.name!r}")
+  # Building the transform checks average_at and clip_radius up front.
+  cfg_lib.checked('outer.desloc', outer_lib.desloc, optax.identity(),
+                  sync_every=_h(config),
+                  **_kwargs('mt_dao' if mt else 'desloc', outer_lib.desloc,
+                            config))
   return cfg_lib.checked('outer.desloc', outer_lib.desloc_plan, _h(config),
                          _state_periods(config, mt))
+
+
+_DESLOC_FIELDS = ('average_at', 'clip_radius')
 
 
 def _build_desloc(config, inner, axis_name, mt=False):
@@ -323,7 +331,8 @@ def _build_desloc(config, inner, axis_name, mt=False):
       'outer.desloc', outer_lib.desloc, inner, sync_every=_h(config),
       state_sync_every=_state_periods(config, mt),
       outer=cfg_lib.outer_optimizer(config) if nesterov else None,
-      axis_name=axis_name)
+      axis_name=axis_name,
+      **_kwargs('mt_dao' if mt else 'desloc', outer_lib.desloc, config))
 
 
 # ------------------------------------------------- Asynchronous local SGD
@@ -478,12 +487,16 @@ METHODS: Mapping[str, Method] = {
     'desloc': Method(
         per_worker=True, build=_build_desloc, plan=_desloc_plan,
         eval_params=outer_lib.desloc_eval_params, section='desloc',
+        library_kwargs=_section_kwargs(outer_lib.desloc, 'desloc',
+                                       _DESLOC_FIELDS),
         shared_fields=_DESLOC_SHARED),
     'mt_dao': Method(
         per_worker=True,
         build=lambda *args: _build_desloc(*args, mt=True),
         plan=lambda config: _desloc_plan(config, mt=True),
         eval_params=outer_lib.desloc_eval_params, section='desloc',
+        library_kwargs=_section_kwargs(outer_lib.desloc, 'desloc',
+                                       _DESLOC_FIELDS),
         shared_fields=_DESLOC_SHARED),
     'edit_diloco': Method(
         per_worker=True, build=_build_edit,

@@ -10,8 +10,11 @@ import loc_opt
 from loc_opt import compression
 from loc_opt import parallel
 from tests.compression._helpers import mesh_step
+from tests.compression._helpers import normal
 from tests.compression._helpers import one_mean
+from tests.compression._helpers import sharded_mean
 from tests.compression._helpers import W
+from tests.compression._helpers import worker_slice
 
 
 def test_two_phase_mean_matches_gather_within_two_roundings():
@@ -103,3 +106,61 @@ def test_diloco_codec_bytes_on_a_mesh():
   assert plain <= recovery <= plain + 8 * 4 * W
   assert lo == 0  # the inner-only branch crosses no worker boundary
   assert expected < 0.26 * loc_opt.outer.pseudo_gradient_bytes(params)
+
+
+# E3M0 magnitudes (a power of two from 2**-2 to 2**4, or zero) and the
+# midpoints between neighbours, at which nearest rounding goes up.
+_E3M0 = np.array([0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+
+
+def _fp4_e3m0_reference(x):
+  """NumPy float64 nearest-rounding fp4 e3m0 with one absmax scale for
+  the whole of ``x``: ``s = max|x| / 16``, ``x_hat = s R(x / s)``."""
+  x = np.asarray(x, np.float64)
+  s = np.abs(x).max() / 16.0
+  mids = (_E3M0[:-1] + _E3M0[1:]) / 2
+  idx = (np.abs(x / s)[..., None] >= mids).sum(-1)
+  return np.sign(x) * _E3M0[idx] * s
+
+
+@pytest.mark.parametrize('name', ['fp4_e3m0', 'int8', 'two_bit'])
+def test_block_size_none_scales_each_tensor_on_its_own(name):
+  """With ``block_size=None`` every tensor of the tree has its own scale: a
+  tensor of values around 1e-3 beside an N(0, 1) one is not rounded to 0
+  (one scale for the concatenated tree sent it as exactly 0)."""
+  scheme = compression.as_compressor((name, {'block_size': None}))
+  big = np.random.default_rng(0).standard_normal(64)
+  small = np.array([4.2e-4, 6e-5, -1.7e-3, 7.5e-4])
+  x = {'big': jnp.asarray(np.stack([big] * W), jnp.float32),
+       'small': jnp.asarray(np.stack([small] * W), jnp.float32)}
+  mean, sent, _ = one_mean(scheme, x, ())
+  alone, _, _ = one_mean(scheme, {'small': x['small']}, ())
+  # The small tensor is coded as it would be alone, and not as zeros.
+  np.testing.assert_array_equal(mean['small'], alone['small'])
+  np.testing.assert_array_equal(sent['small'], alone['small'])
+  assert np.all(np.asarray(mean['small'][0]) != 0)
+  if name == 'fp4_e3m0':
+    for key, value in (('big', big), ('small', small)):
+      np.testing.assert_allclose(mean[key][0], _fp4_e3m0_reference(value),
+                                 rtol=1e-6, atol=0)
+  # Bytes: each tensor's codes and its own scale (and, 2-bit, its table).
+  per_scale = {'fp4_e3m0': 4, 'int8': 4, 'two_bit': 20}[name]
+  bits = {'fp4_e3m0': 4, 'int8': 8, 'two_bit': 2}[name]
+  tree = {'big': big, 'small': small}
+  assert scheme.payload_bytes(tree) == (64 + 4) * bits // 8 + 2 * per_scale
+  with pytest.raises(ValueError, match='block_size'):
+    compression.from_codec(compression.fp4_codec('e3m0', block_size=None),
+                           reduce='two_phase', workers=W)
+
+
+def test_per_tensor_bytes_on_a_mesh_are_exact():
+  """The compiled all-gather of a per-tensor fp4 payload on the 4 x 2 mesh
+  moves exactly its codes and one fp32 scale per tensor."""
+  scheme = compression.as_compressor(('fp4_e3m0', {'block_size': None}))
+  tree = {'w': normal(1, (W, 64, 32)), 'b': normal(2, (W, 32))}
+  got, want, report = sharded_mean(scheme, tree)
+  for k in tree:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+  one = worker_slice(tree)
+  assert scheme.payload_bytes(one) == (64 * 32 + 32) // 2 + 2 * 4
+  assert report.cross_worker_bytes_per_worker == scheme.payload_bytes(one)

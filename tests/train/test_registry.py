@@ -173,6 +173,8 @@ def test_stragglers_stretch_a_synchronous_run():
      'outer.streaming_diloco'),
     ('noloco', {'outer.noloco.group_size': 3}, 'outer.noloco'),  # 4 % 3
     ('desloc', {'outer.desloc.mu_sync_every': -2}, 'outer.desloc'),
+    ('desloc', {'outer.desloc.average_at': 'midway'}, 'outer.desloc'),
+    ('mt_dao', {'outer.desloc.clip_radius': -1.0}, 'outer.desloc'),
     ('mt_dao', {'optimizer.name': 'adamw'}, 'optimizer.name'),
     ('noloco', {'outer.sync_schedule': 'qsr',
                 'outer.sync_schedule_kwargs': {'alpha': 0.01}},
