@@ -260,9 +260,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Learner failures (decoupled_diloco): (worker, start step, steps down)
   # triples; a returning learner rejoins from the global fragments.
   c.faults.failures = ()
-  # And a chaos model: each learner fails after exponential times with this
-  # mean (steps; 0 = off) and stays down chaos_downtime_steps.
+  # And a chaos model: each chip of a learner fails after exponential times
+  # with this mean (steps; 0 = off), so a learner of chaos_chips_per_learner
+  # chips fails that many times as often, and stays down
+  # chaos_downtime_steps.
   c.faults.chaos_mtbf_steps = 0.0
+  c.faults.chaos_chips_per_learner = 1
   c.faults.chaos_downtime_steps = 0.0
 
   # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):

@@ -163,16 +163,20 @@ def check_phase(sync: Any, num_fragments: int
 
 
 def chaos_failures(num_learners: int, num_steps: int, *, mtbf: float,
-                   downtime: float, seed: int = 0
+                   downtime: float, chips: int = 1, seed: int = 0
                    ) -> tuple[tuple[int, float, float], ...]:
   """A fault trace from per-learner exponential failure clocks.
+
+  A learner of ``chips`` chips, each failing after exponential times of
+  mean ``mtbf``, fails at the rate ``chips / mtbf`` (the chaos setting of
+  Douillard et al., 2026: a per-chip mean time between interruptions).
 
   Args:
     num_learners: ``M``.
     num_steps: ticks to cover.
-    mtbf: mean ticks between failures of one learner (e.g. the per-chip
-      MTBF over the learner's chip count, in ticks).
+    mtbf: mean ticks between failures of one chip.
     downtime: ticks a failed learner stays down.
+    chips: chips per learner.
     seed: seed of the clocks.
 
   Returns:
@@ -180,6 +184,7 @@ def chaos_failures(num_learners: int, num_steps: int, *, mtbf: float,
   """
   _checks.positive_float(mtbf, 'mtbf')
   _checks.nonnegative_float(downtime, 'downtime')
+  mtbf = mtbf / _checks.positive_int(chips, 'chips')
   rng = np.random.default_rng([seed, 0xC4A05])
   out = []
   for m in range(num_learners):

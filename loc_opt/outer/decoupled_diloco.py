@@ -12,11 +12,9 @@ step on the fragment, and sends the new global fragment back; a learner
 overwrites its copy when it arrives.
 
 Here: the merge as pure functions (:func:`token_weight`,
-:func:`weighted_average`, :func:`radial_directional_average`,
-:func:`merge_fragment`) and the transform :func:`decoupled_diloco`, run on
-the worker axis (``vmap`` / ``shard_map``) like the whole family, with the
-timeline's decisions per learner (``active``, ``admitted``, ``receive``,
-``rejoin``).
+:func:`merge_fragment` and its two cases) and the transform
+:func:`decoupled_diloco`, run on the worker axis like the whole family,
+with the timeline's decisions per learner (``active``, ``admitted``, ...).
 
 Choices where the published description is ambiguous (see
 ``docs/decoupled_diloco.md``):
@@ -84,8 +82,8 @@ def _ratio(num: Any, den: jax.Array) -> Any:
 def weighted_average(deltas: list[jax.Array], weight: jax.Array,
                      mean_fn: MeanFn, payload_mean: MeanFn | None = None
                      ) -> list[jax.Array]:
-  """``sum_m w_m Delta_m / sum_m w_m`` over learners (0 if every weight is
-  0): :func:`merge_fragment` with every piece averaged directly."""
+  """``sum_m w_m Delta_m / sum_m w_m`` (0 if every weight is 0):
+  :func:`merge_fragment` with every piece averaged directly."""
   return merge_fragment(deltas, weight, mean_fn, payload_mean,
                         direct=[True] * len(deltas))
 
@@ -94,12 +92,10 @@ def radial_directional_average(
     deltas: list[jax.Array], weight: jax.Array, mean_fn: MeanFn,
     payload_mean: MeanFn | None = None, *, scope: str = 'leaf',
     eps: float = 1e-6) -> list[jax.Array]:
-  r"""Radial-directional averaging (RDA) of the learners' deltas:
-  :func:`merge_fragment` with no piece averaged directly.
-
-  Per group (a leaf with ``scope='leaf'``, all of ``deltas`` with
-  ``'fragment'``), with weights ``w_m`` and ``phi(x) = x / |x|``
-  (``phi(0) = 0``):
+  r"""Radial-directional averaging (RDA) of the learners' deltas
+  (:func:`merge_fragment` with no piece averaged directly). Per group (a
+  leaf, ``scope='leaf'``, or all of ``deltas``, ``'fragment'``), weights
+  ``w_m`` and ``phi(x) = x / |x|`` (``phi(0) = 0``):
 
   .. math::
 
@@ -115,7 +111,7 @@ def radial_directional_average(
                         direct=[False] * len(deltas), scope=scope, eps=eps)
 
 
-def _sq(x: jax.Array) -> jax.Array:
+def _sq(x: jax.Array) -> jax.Array:  # |x|^2 in fp32
   return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
@@ -151,6 +147,7 @@ def merge_fragment(deltas: list[jax.Array], weight: jax.Array,
   Returns:
     The merged pieces, in ``deltas``' dtypes; zeros if every weight is 0.
   """
+  codec_out = payload_mean is not None
   payload_mean = payload_mean or mean_fn
   direct = [True] * len(deltas) if merge == 'average' else list(direct)
   rda = [i for i, d in enumerate(direct) if not d]
@@ -176,11 +173,14 @@ def merge_fragment(deltas: list[jax.Array], weight: jax.Array,
     for i in g:
       out[i] = out[i] * scale.astype(out[i].dtype)
     degenerate.append(un <= eps)
+  any_bad = jnp.any(jnp.stack(degenerate))
+  if codec_out:  # typed per-learner: one shared flag (4 bytes more)
+    any_bad = mean_fn(any_bad.astype(jnp.float32)) > 0
   fallback = jax.lax.cond(
-      jnp.any(jnp.stack(degenerate)),
+      any_bad,
       lambda: _ratio(mean_fn([weight.astype(deltas[i].dtype) * deltas[i]
                               for i in rda]), total),
-      lambda: [jnp.zeros_like(out[i]) for i in rda])
+      lambda: [jnp.zeros(out[i].shape, out[i].dtype) for i in rda])
   slot = {i: j for j, i in enumerate(rda)}
   for k, g in enumerate(groups):
     for i in g:

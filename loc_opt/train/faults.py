@@ -29,8 +29,9 @@ NaN gradients at given steps (``nan_grad_steps``) on given workers
 it skips its steps until a sync leaves it out and resets it to the anchor),
 worker failures for the methods that run on a timeline (Decoupled DiLoCo):
 ``failures``, ``(worker, start step, steps down)`` triples, and a chaos
-model, ``chaos_mtbf_steps`` (mean steps between a learner's failures, 0:
-off) and ``chaos_downtime_steps``; and worker dropout: workers
+model, ``chaos_mtbf_steps`` (mean steps between failures of one chip, 0:
+off), ``chaos_chips_per_learner`` and ``chaos_downtime_steps``; and worker
+dropout: workers
 ``drop_workers`` miss the syncs numbered ``drop_syncs`` (0 = the run's first
 sync), and at a fraction ``drop_fraction`` of all syncs (drawn from the
 seed) one worker, drawn too, misses it. An absent worker contributes
@@ -102,6 +103,9 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   chaos = {name: _checks.nonnegative_float(section.get(name, 0.0),
                                            f'faults.{name}')
            for name in ('chaos_mtbf_steps', 'chaos_downtime_steps')}
+  chaos['chaos_chips_per_learner'] = _checks.positive_int(
+      section.get('chaos_chips_per_learner', 1),
+      'faults.chaos_chips_per_learner')
   if chaos['chaos_mtbf_steps'] and not chaos['chaos_downtime_steps']:
     raise ValueError('faults.chaos_mtbf_steps needs faults.'
                      'chaos_downtime_steps > 0 (how long a learner is down)')

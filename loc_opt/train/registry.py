@@ -189,7 +189,8 @@ def decoupled_timeline(config) -> outer_lib.Timeline:
     trace += cfg_lib.checked(
         'faults.chaos_mtbf_steps', outer_lib.chaos_failures, m,
         config.num_steps, mtbf=s['chaos_mtbf_steps'],
-        downtime=s['chaos_downtime_steps'], seed=config.seed)
+        downtime=s['chaos_downtime_steps'],
+        chips=s['chaos_chips_per_learner'], seed=config.seed)
   tx_kwargs = _kwargs('decoupled_diloco', outer_lib.decoupled_diloco, config)
   args = dict(
       num_steps=config.num_steps, num_learners=m, sync_every=_h(config),

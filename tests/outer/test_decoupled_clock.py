@@ -95,6 +95,9 @@ def test_same_seed_same_timeline_and_chaos_trace():
                                        seed=4)
   # about 400 / (40 + 10) = 8 failures per learner
   assert 12 <= len(trace) <= 40
+  # 4 chips per learner at a per-chip MTBF of 160: the same rate
+  assert trace == outer.chaos_failures(3, 400, mtbf=160., downtime=10.,
+                                       chips=4, seed=3)
   a = _timeline(steps=400, jitter=.3, failures=trace, seed=1)
   b = _timeline(steps=400, jitter=.3, failures=trace, seed=1)
   c = _timeline(steps=400, jitter=.3, failures=trace, seed=2)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import loc_opt
+from loc_opt import compression
 from loc_opt import outer
 from tests import optax_conformance as conf
 from tests.outer import _helpers as helpers
@@ -249,3 +250,14 @@ def test_hlo_bytes_of_a_merge_are_the_fragment_once():
       assert lo == report.cross_worker_bytes  # unconditional part
       per_worker = report.cross_worker_bytes_per_worker
       assert 4 * n <= per_worker <= 4 * n + 4 * scalars * 2, (p, per_worker)
+  # Through a codec (error feedback per learner and fragment), the weighted
+  # pieces cross as its payload; the scalars stay fp32.
+  codec = compression.error_feedback(compression.from_codec(
+      compression.int8()))
+  tx = loc_opt.decoupled_diloco(optax.sgd(0.1), num_fragments=2, codec=codec)
+  pieces = [params['w1']]
+  payload = compression.as_compressor(codec).payload_bytes(pieces)
+  report = helpers.phase_report(tx, stacked, (0, None), mesh)
+  per_worker = report.cross_worker_bytes_per_worker
+  assert payload <= per_worker <= 1.1 * payload + 64, (per_worker, payload)
+  assert per_worker < 0.3 * 4 * 64 * 16
