@@ -55,9 +55,12 @@ from loc_opt.train import registry
 # leaf under them), and the leaves under them that may change on resume.
 # Every other field (logging, evaluation and checkpoint cadence, progress,
 # halt_after_steps, init_from, wallclock) may change on resume.
+# faults: injected NaNs, dropout and learner failures change the numbers;
+# worker speeds drive async local SGD's and Decoupled DiLoCo's numerics.
 _MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',
-               'num_steps', 'data')
-_RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size')
+               'num_steps', 'data', 'faults', 'wallclock.worker_speeds')
+_RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size',
+                      'faults.max_bad_steps')
 
 # A branch must continue the same training problem and the same state
 # layout: everything under these fields must match, except the fields of
@@ -407,12 +410,34 @@ def _mesh_reason(method_name: str) -> str:
           f'{", ".join(n for n, m in registry.METHODS.items() if m.elastic)}')
 
 
+# The faults fields only a method with a timeline (Method.step_inputs)
+# reads; the others refuse any value but the default (validate_config).
+_TIMELINE_FAULTS = ('faults.failures', 'faults.chaos_')
+
+
+def _unread_prefixes(method_name: str) -> tuple[str, ...]:
+  """Config fields that ``method_name``'s run never reads: the other
+  methods' sections ``outer.<section>`` and, without a timeline, the
+  learner-failure fields. A difference there (e.g. a field added to
+  another method's section since the run was saved) cannot change it."""
+  method = registry.METHODS.get(method_name)
+  own = getattr(method, 'section', None)
+  out = tuple(f'outer.{m.section}.' for m in registry.METHODS.values()
+              if m.section is not None and m.section != own)
+  if method is not None and method.step_inputs is None:
+    out += _TIMELINE_FAULTS
+  return out
+
+
 def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   """The differences that forbid resuming a run saved with ``saved``.
 
   ``num_steps`` is among them: the learning-rate (and sync) schedules are
   built from it, so a resume with another value would silently re-stretch
   them mid-run. To train longer, branch off the run with ``init_from``.
+
+  Fields the run's method never reads (other methods' sections; the
+  learner-failure fields without a timeline) may differ.
 
   The ``mesh`` fields (``mesh.workers``, and the axes inside a worker) may
   differ when the method's workers share an anchor (``Method.elastic``): an
@@ -422,7 +447,8 @@ def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   method = _get(current, 'outer.method')
   elastic = getattr(registry.METHODS.get(method), 'elastic', False)
   may_differ = _RESUME_MAY_DIFFER + (('mesh',) if elastic else ())
-  diffs = config_diffs(saved, current, _MUST_MATCH, may_differ)
+  diffs = [d for d in config_diffs(saved, current, _MUST_MATCH, may_differ)
+           if not d.startswith(_unread_prefixes(method))]
   out = []
   for d in diffs:
     if d.startswith('num_steps:'):

@@ -1,5 +1,6 @@
 """End-to-end tests of the trainer: resume, communication, bad input."""
 
+import copy
 import gc
 import json
 
@@ -163,6 +164,23 @@ def test_resume_config_check_names_leaves_and_refuses_num_steps(data_dir,
   assert summary['finished'] and summary['step'] == 8
   steps = [r['step'] for r in train.read_metrics(tmp_path)]
   assert steps[-4:] == [5, 6, 7, 8]
+
+
+def test_resume_ignores_fields_the_method_never_reads(data_dir):
+  # A field added to another method's section (or a learner-failure field
+  # without a timeline) since a run was saved does not block its resume;
+  # the same field in the run's own section does.
+  current = tiny_config(data_dir).to_dict()
+  saved = copy.deepcopy(current)
+  del saved['outer']['desloc']['clip_radius']
+  del saved['faults']['failures']
+  assert ckpt_lib.resume_diffs(saved, current) == []
+  current['outer']['method'] = saved['outer']['method'] = 'desloc'
+  assert ckpt_lib.resume_diffs(saved, current) == [
+      'outer.desloc.clip_radius: None -> 1.0']
+  current['outer']['method'] = saved['outer']['method'] = 'decoupled_diloco'
+  assert any(d.startswith('faults.failures')
+             for d in ckpt_lib.resume_diffs(saved, current))
 
 
 def _truncate_arrays(step_dir):
