@@ -410,6 +410,11 @@ def _mesh_reason(method_name: str) -> str:
           f'{", ".join(n for n, m in registry.METHODS.items() if m.elastic)}')
 
 
+# Fields added after runs were saved, with the value that reproduces how
+# those runs behaved without them: a saved config that lacks one resumes
+# when the current value is that one.
+_ADDED_WITH_OLD_BEHAVIOUR = {'faults.chaos_chips_per_learner': 1}
+
 # The faults fields only a method with a timeline (Method.step_inputs)
 # reads; the others refuse any value but the default (validate_config).
 _TIMELINE_FAULTS = ('faults.failures', 'faults.chaos_')
@@ -447,8 +452,10 @@ def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   method = _get(current, 'outer.method')
   elastic = getattr(registry.METHODS.get(method), 'elastic', False)
   may_differ = _RESUME_MAY_DIFFER + (('mesh',) if elastic else ())
+  added = tuple(f'{k}: None -> {v!r}'
+                for k, v in _ADDED_WITH_OLD_BEHAVIOUR.items())
   diffs = [d for d in config_diffs(saved, current, _MUST_MATCH, may_differ)
-           if not d.startswith(_unread_prefixes(method))]
+           if not d.startswith(_unread_prefixes(method)) and d not in added]
   out = []
   for d in diffs:
     if d.startswith('num_steps:'):

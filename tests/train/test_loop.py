@@ -181,6 +181,13 @@ def test_resume_ignores_fields_the_method_never_reads(data_dir):
   current['outer']['method'] = saved['outer']['method'] = 'decoupled_diloco'
   assert any(d.startswith('faults.failures')
              for d in ckpt_lib.resume_diffs(saved, current))
+  # A field added later whose value reproduces the old behaviour.
+  saved['faults']['failures'] = current['faults']['failures']
+  del saved['faults']['chaos_chips_per_learner']
+  assert ckpt_lib.resume_diffs(saved, current) == []
+  current['faults']['chaos_chips_per_learner'] = 2
+  assert ckpt_lib.resume_diffs(saved, current) == [
+      'faults.chaos_chips_per_learner: None -> 2']
 
 
 def _truncate_arrays(step_dir):
