@@ -135,6 +135,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'head') for MuLoCo's skip masks.
   c.outer.compress_skip = ()
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
+  # How the workers' pseudo-gradients are combined (diloco, local_sgd,
+  # streaming_diloco; loc_opt.outer.robust, docs/robust_aggregation.md):
+  # 'mean' (an all-reduce), or a rule one bad worker cannot wreck:
+  # 'median' / 'trimmed_mean' (coordinate-wise, an all-gather of every
+  # worker's fp32 pseudo-gradient: no codec) or 'norm_clipped_mean' (each
+  # clipped to aggregate_clip x the median norm, then the mean; takes a
+  # codec). Absent and non-finite workers are left out.
+  c.outer.aggregate = 'mean'
+  c.outer.aggregate_trim = 1  # trimmed_mean: values dropped at each end.
+  c.outer.aggregate_clip = 1.0  # norm_clipped_mean: bound / median norm.
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function

@@ -20,6 +20,8 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
   (:mod:`~loc_opt.outer.decoupled_clock`).
 * EDiT's pseudo-gradient penalty (:mod:`~loc_opt.outer.edit_diloco`) and
   CO2's one-round-stale outer step (:mod:`~loc_opt.outer.co2`).
+* Robust aggregation of pseudo-gradients (:mod:`~loc_opt.outer.robust`):
+  median, trimmed mean, norm-clipped mean (``diloco(..., aggregate=...)``).
 """
 
 from loc_opt.outer._local import nesterov_outer
@@ -86,6 +88,8 @@ from loc_opt.outer.noloco import noloco_eval_params
 from loc_opt.outer.noloco import noloco_groups
 from loc_opt.outer.noloco import noloco_plan
 from loc_opt.outer.plan import Plan
+from loc_opt.outer import robust
+from loc_opt.outer.robust import AGGREGATES
 from loc_opt.outer.sparseloco import sparseloco
 from loc_opt.outer.sparseloco import sparseloco_eval_params
 from loc_opt.outer.sparseloco import sparseloco_payload_bytes

@@ -183,6 +183,30 @@ def outer_optimizer(config: ml_collections.ConfigDict
   return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
 
 
+# outer.<field> -> the argument of loc_opt.diloco (and local_sgd,
+# streaming_diloco) it sets.
+AGGREGATE_FIELDS = {'aggregate': 'aggregate', 'aggregate_trim': 'trim',
+                    'aggregate_clip': 'clip_multiple'}
+
+
+def aggregate_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The robust-aggregation arguments (``aggregate``, ``trim``,
+  ``clip_multiple``) that ``outer.aggregate``, ``outer.aggregate_trim`` and
+  ``outer.aggregate_clip`` set, validated; absent fields take the library's
+  defaults."""
+  cfg = config.outer
+  kwargs = {arg: plain(cfg[f]) for f, arg in AGGREGATE_FIELDS.items()
+            if f in cfg}
+  if 'aggregate' in kwargs:
+    _checks.one_of(kwargs['aggregate'], 'outer.aggregate',
+                   outer_lib.AGGREGATES)
+  if 'trim' in kwargs:
+    _checks.nonnegative_int(kwargs['trim'], 'outer.aggregate_trim')
+  if 'clip_multiple' in kwargs:
+    _checks.positive_float(kwargs['clip_multiple'], 'outer.aggregate_clip')
+  return kwargs
+
+
 def compressor_kwargs(config: ml_collections.ConfigDict
                       ) -> dict[str, Any]:
   """The arguments of ``compression.build_compressor`` that the ``outer``

@@ -74,17 +74,28 @@ def _period_plan(config) -> plan_lib.Plan:
                               config.num_steps)
 
 
+def _codec(config):
+  """``outer.codec``'s compressor; ``None`` for ``'none'`` under a rule
+  that all-gathers fp32 pseudo-gradients (median, trimmed mean)."""
+  rule = cfg_lib.aggregate_kwargs(config).get('aggregate', 'mean')
+  if rule in outer_lib.robust.GATHERED and config.outer.codec == 'none':
+    return None
+  return cfg_lib.make_compressor(config)
+
+
 def _build_diloco(config, inner, axis_name):
-  return outer_lib.diloco(
-      inner, sync_every=cfg_lib.make_sync_every(config),
+  return cfg_lib.checked(
+      'outer.aggregate', outer_lib.diloco, inner,
+      sync_every=cfg_lib.make_sync_every(config),
       outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
-      codec=cfg_lib.make_compressor(config))
+      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_local_sgd(config, inner, axis_name):
-  return outer_lib.local_sgd(
-      inner, sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
-      codec=cfg_lib.make_compressor(config))
+  return cfg_lib.checked(
+      'outer.aggregate', outer_lib.local_sgd, inner,
+      sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
+      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_compressed_dp(config, inner, axis_name):
@@ -153,7 +164,8 @@ def _build_streaming(config, inner, axis_name):
       'outer.streaming_diloco', outer_lib.streaming_diloco, inner,
       sync_every=_h(config), num_fragments=num_fragments,
       fragments=fragments, outer=cfg_lib.outer_optimizer(config),
-      axis_name=axis_name, codec=cfg_lib.make_compressor(config),
+      axis_name=axis_name, codec=_codec(config),
+      **cfg_lib.aggregate_kwargs(config),
       **_kwargs('streaming_diloco', outer_lib.streaming_diloco, config))
 
 
@@ -528,6 +540,30 @@ _SECTION_CHECKS: Mapping[str, Mapping[str, Callable[[Any, str], Any]]] = {
     'co2': {'learning_rate': cfg_lib.learning_rate,
             'momentum': cfg_lib.momentum},
 }
+
+
+# The methods whose average takes outer.aggregate (a robust rule).
+ROBUST_METHODS = ('diloco', 'local_sgd', 'streaming_diloco')
+
+
+def check_aggregate(config) -> None:
+  """Validates ``outer.aggregate`` and its parameters against the method,
+  the codec and the worker count."""
+  kwargs = cfg_lib.aggregate_kwargs(config)
+  rule = kwargs.get('aggregate', 'mean')
+  method = config.outer.method
+  if rule != 'mean' and method not in ROBUST_METHODS:
+    raise ValueError(f'outer.aggregate={rule!r}: outer.method={method!r} '
+                     f'averages with a mean only (robust rules: '
+                     f'{", ".join(ROBUST_METHODS)})')
+  codec = None if config.outer.get('codec', 'none') == 'none' else 'codec'
+  cfg_lib.checked('outer.aggregate', outer_lib.robust.check, rule,
+                  codec=codec)
+  trim = kwargs.get('trim', 1)
+  if rule == 'trimmed_mean' and 2 * trim >= config.mesh.workers:
+    raise ValueError(f'outer.aggregate_trim={trim} drops every one of the '
+                     f'{config.mesh.workers} workers (mesh.workers); use '
+                     'aggregate_trim < mesh.workers / 2')
 
 
 def check_section(config) -> None:
