@@ -207,6 +207,30 @@ def aggregate_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return kwargs
 
 
+# The methods whose average takes outer.aggregate (a robust rule).
+ROBUST_METHODS = ('diloco', 'local_sgd', 'streaming_diloco')
+
+
+def check_aggregate(config) -> None:
+  """Validates ``outer.aggregate`` and its parameters against the method,
+  the codec and the worker count."""
+  kwargs = aggregate_kwargs(config)
+  rule = kwargs.get('aggregate', 'mean')
+  method = config.outer.method
+  if rule != 'mean' and method not in ROBUST_METHODS:
+    raise ValueError(f'outer.aggregate={rule!r}: outer.method={method!r} '
+                     f'averages with a mean only (robust rules: '
+                     f'{", ".join(ROBUST_METHODS)})')
+  codec = None if config.outer.get('codec', 'none') == 'none' else 'codec'
+  checked('outer.aggregate', outer_lib.robust.check, rule,
+                  codec=codec)
+  trim = kwargs.get('trim', 1)
+  if rule == 'trimmed_mean' and 2 * trim >= config.mesh.workers:
+    raise ValueError(f'outer.aggregate_trim={trim} drops every one of the '
+                     f'{config.mesh.workers} workers (mesh.workers); use '
+                     'aggregate_trim < mesh.workers / 2')
+
+
 def compressor_kwargs(config: ml_collections.ConfigDict
                       ) -> dict[str, Any]:
   """The arguments of ``compression.build_compressor`` that the ``outer``

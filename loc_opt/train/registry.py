@@ -32,6 +32,7 @@ from loc_opt.outer import plan as plan_lib
 from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
+from loc_opt.train import hierarchy
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method
 
@@ -513,6 +514,14 @@ METHODS: Mapping[str, Method] = {
         # the stale average may arrive any time in the next round
         overlap_steps=_h, section='co2', library_kwargs=_co2_kwargs,
         shared_fields=('anchor', 'outer_momentum', 'stale_mean') + _COUNTERS),
+    # Groups of workers sync every H1 steps, the groups every H2.
+    'hierarchical_diloco': Method(
+        per_worker=True, build=hierarchy.build, plan=hierarchy.plan,
+        eval_params=outer_lib.hierarchical_eval_params,
+        section=hierarchy.SECTION,
+        # the group anchor and outer state are each group's own
+        shared_fields=('anchor', 'outer_state', 'num_global_syncs')
+        + _COUNTERS),
     'async_local_sgd': Method(
         per_worker=True, build=_build_async, plan=_async_plan,
         eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,
@@ -539,31 +548,9 @@ _SECTION_CHECKS: Mapping[str, Mapping[str, Callable[[Any, str], Any]]] = {
                        value, field, 0.0, 1.0)},
     'co2': {'learning_rate': cfg_lib.learning_rate,
             'momentum': cfg_lib.momentum},
+    'hierarchical_diloco': {'global_learning_rate': cfg_lib.learning_rate,
+                            'global_momentum': cfg_lib.momentum},
 }
-
-
-# The methods whose average takes outer.aggregate (a robust rule).
-ROBUST_METHODS = ('diloco', 'local_sgd', 'streaming_diloco')
-
-
-def check_aggregate(config) -> None:
-  """Validates ``outer.aggregate`` and its parameters against the method,
-  the codec and the worker count."""
-  kwargs = cfg_lib.aggregate_kwargs(config)
-  rule = kwargs.get('aggregate', 'mean')
-  method = config.outer.method
-  if rule != 'mean' and method not in ROBUST_METHODS:
-    raise ValueError(f'outer.aggregate={rule!r}: outer.method={method!r} '
-                     f'averages with a mean only (robust rules: '
-                     f'{", ".join(ROBUST_METHODS)})')
-  codec = None if config.outer.get('codec', 'none') == 'none' else 'codec'
-  cfg_lib.checked('outer.aggregate', outer_lib.robust.check, rule,
-                  codec=codec)
-  trim = kwargs.get('trim', 1)
-  if rule == 'trimmed_mean' and 2 * trim >= config.mesh.workers:
-    raise ValueError(f'outer.aggregate_trim={trim} drops every one of the '
-                     f'{config.mesh.workers} workers (mesh.workers); use '
-                     'aggregate_trim < mesh.workers / 2')
 
 
 def check_section(config) -> None:

@@ -46,6 +46,7 @@ CASES = {
     'edit_diloco': {'outer.edit_diloco.warmup_syncs': 1},
     'co2': {},
     'decoupled_diloco': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
+    'hierarchical_diloco': {},  # groups of 2, H1 = 4, H2 = 8
 }
 TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
            'async_local_sgd')
@@ -184,6 +185,13 @@ def test_stragglers_stretch_a_synchronous_run():
     ('noloco', {'wallclock.step_time_s': 0.0}, 'wallclock.step_time_s'),
     ('noloco', {'wallclock.bandwidths_gbps': (1.0, -2.0)},
      'wallclock.bandwidths_gbps'),
+    ('hierarchical_diloco', {'outer.hierarchical_diloco.group_size': 3},
+     'outer.hierarchical_diloco.group_size'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.global_momentum': 1.0},
+     'outer.hierarchical_diloco.global_momentum'),
+    ('hierarchical_diloco', {'outer.hierarchical_diloco.global_period': 0},
+     'outer.hierarchical_diloco.global_period'),
     ('diloco', {'outer.aggregate': 'mode'}, 'outer.aggregate'),
     ('noloco', {'outer.aggregate': 'median'}, 'outer.aggregate'),
     ('diloco', {'outer.aggregate': 'median', 'outer.codec': 'int8'},
