@@ -107,7 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'compressed_data_parallel', or one of the DiLoCo family below, each with
   # its section outer.<method>: 'streaming_diloco', 'eager_diloco', 'noloco',
   # 'demo', 'sparseloco', 'desloc', 'mt_dao', 'async_local_sgd',
-  # 'edit_diloco', 'co2', 'decoupled_diloco'.
+  # 'edit_diloco', 'co2', 'decoupled_diloco', 'hierarchical_diloco'.
   c.outer.method = 'diloco'
   c.outer.sync_every = 50  # H: inner steps between syncs (<= num_steps).
   # How H changes over the run: a name of loc_opt.schedules.SYNC_SCHEDULES:
@@ -135,6 +135,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'head') for MuLoCo's skip masks.
   c.outer.compress_skip = ()
   c.outer.compress_start_step = 0  # compressed_data_parallel: fp32 before.
+  # How the workers' pseudo-gradients are combined (diloco, local_sgd,
+  # streaming_diloco; loc_opt.outer.robust, docs/robust_aggregation.md):
+  # 'mean' (an all-reduce), or a rule one bad worker cannot wreck:
+  # 'median' / 'trimmed_mean' (coordinate-wise, an all-gather of every
+  # worker's fp32 pseudo-gradient: no codec) or 'norm_clipped_mean' (each
+  # clipped to aggregate_clip x the median norm, then the mean; takes a
+  # codec). Absent and non-finite workers are left out.
+  c.outer.aggregate = 'mean'
+  c.outer.aggregate_trim = 1  # trimmed_mean: values dropped at each end.
+  c.outer.aggregate_clip = 1.0  # norm_clipped_mean: bound / median norm.
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function
@@ -236,6 +246,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.alpha = 0.0  # Weight of the local copy on receipt (0: overwrite).
   s.rejoin_state = 'keep'  # A returning learner's inner state: or 'fresh',
   # 'peer' (copied from a live learner).
+
+  # Hierarchical DiLoCo ('hierarchical_diloco'): groups of group_size
+  # consecutive workers sync every sync_every steps (H1; outer step:
+  # learning_rate, momentum above); every global_period x H1 steps (H2) the
+  # groups merge (global outer step below, through outer.codec). Only that
+  # merge crosses groups. See docs/hierarchical.md.
+  s = c.outer.hierarchical_diloco = ml_collections.ConfigDict()
+  s.group_size = 2  # G: workers per group; divides mesh.workers.
+  s.global_period = 2  # H2 / H1: group syncs per global sync.
+  s.global_learning_rate = 1.0  # Global outer learning rate (1: merge).
+  s.global_momentum = 0.0  # Global outer Nesterov momentum (0: plain SGD).
 
   # Non-finite steps (loc_opt.train.faults): a worker skips an inner step
   # whose loss or gradients are NaN / Inf (zeros them on a step that syncs);

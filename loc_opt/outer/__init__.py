@@ -20,6 +20,10 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
   (:mod:`~loc_opt.outer.decoupled_clock`).
 * EDiT's pseudo-gradient penalty (:mod:`~loc_opt.outer.edit_diloco`) and
   CO2's one-round-stale outer step (:mod:`~loc_opt.outer.co2`).
+* Hierarchical DiLoCo over worker groups, two sync periods
+  (:mod:`~loc_opt.outer.hierarchical`).
+* Robust aggregation of pseudo-gradients (:mod:`~loc_opt.outer.robust`):
+  median, trimmed mean, norm-clipped mean (``diloco(..., aggregate=...)``).
 """
 
 from loc_opt.outer._local import nesterov_outer
@@ -80,12 +84,19 @@ from loc_opt.outer.edit_diloco import edit_diloco
 from loc_opt.outer.edit_diloco import edit_eval_params
 from loc_opt.outer.edit_diloco import edit_plan
 from loc_opt.outer.edit_diloco import EditState
+from loc_opt.outer.hierarchical import group_mean
+from loc_opt.outer.hierarchical import hierarchical_diloco
+from loc_opt.outer.hierarchical import hierarchical_eval_params
+from loc_opt.outer.hierarchical import hierarchical_plan
+from loc_opt.outer.hierarchical import HierarchicalDilocoState
 from loc_opt.outer.noloco import noloco
 from loc_opt.outer.noloco import noloco_bytes
 from loc_opt.outer.noloco import noloco_eval_params
 from loc_opt.outer.noloco import noloco_groups
 from loc_opt.outer.noloco import noloco_plan
 from loc_opt.outer.plan import Plan
+from loc_opt.outer import robust
+from loc_opt.outer.robust import AGGREGATES
 from loc_opt.outer.sparseloco import sparseloco
 from loc_opt.outer.sparseloco import sparseloco_eval_params
 from loc_opt.outer.sparseloco import sparseloco_payload_bytes

@@ -27,6 +27,7 @@ from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
+from loc_opt.outer import robust
 from loc_opt.outer.plan import sync_period
 
 SyncEvery = plan_lib.SyncEvery
@@ -82,6 +83,9 @@ def diloco(
     reduce_fn: Callable[[Any], Any] | None = None,
     codec: compression.Scheme = None,
     codec_seed: int = 0,
+    aggregate: str = 'mean',
+    trim: int = 1,
+    clip_multiple: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
 
@@ -124,6 +128,15 @@ def diloco(
   round, free when every worker is finite). ``left_out`` in the state
   counts the syncs each worker missed.
 
+  Robust aggregation: ``aggregate`` replaces the mean by a rule that one
+  bad worker cannot wreck (see :mod:`loc_opt.outer.robust`): the
+  coordinate-wise ``'median'`` or ``'trimmed_mean'`` (an all-gather of
+  every worker's fp32 pseudo-gradient instead of the all-reduce; no codec),
+  or the ``'norm_clipped_mean'`` (each pseudo-gradient clipped to
+  ``clip_multiple`` times the median of the workers' norms, then the
+  all-reduce, through the codec if any). Absent and non-finite workers are
+  left out of every rule.
+
   Args:
     inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
       args.
@@ -148,6 +161,12 @@ def diloco(
       Exclusive with ``reduce_fn``.
     codec_seed: seed of the key shared by all workers at each sync (folded
       with the sync index), for codecs that draw random numbers.
+    aggregate: how the pseudo-gradients are combined: ``'mean'`` (default),
+      ``'median'``, ``'trimmed_mean'`` or ``'norm_clipped_mean'``.
+    trim: ``'trimmed_mean'``: values dropped at each end per coordinate
+      (the worker count must exceed ``2 trim``).
+    clip_multiple: ``'norm_clipped_mean'``: the clip bound as a multiple of
+      the median of the workers' pseudo-gradient norms.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -155,10 +174,14 @@ def diloco(
   Example:
     >>> import optax, loc_opt
     >>> tx = loc_opt.diloco(optax.adamw(4e-4), sync_every=100)
+    >>> robust = loc_opt.diloco(optax.adamw(4e-4), sync_every=100,
+    ...                         aggregate='median')
 
   References:
     Douillard et al., *DiLoCo: Distributed Low-Communication Training of
-    Language Models*, 2023.
+    Language Models*, 2023. Yin et al., *Byzantine-Robust Distributed
+    Learning: Towards Optimal Statistical Rates*, 2018 (median, trimmed
+    mean).
   """
   _check_sync_every(sync_every)
   inner = optax.with_extra_args_support(inner)
@@ -167,6 +190,9 @@ def diloco(
     raise ValueError('diloco takes a codec or a reduce_fn, not both')
   if codec is not None and axis_name is None:
     raise ValueError('diloco with a codec needs an axis_name')
+  robust.check(aggregate, trim=trim, clip_multiple=clip_multiple,
+               codec=codec, reduce_fn=reduce_fn)
+  average = robust.averager(aggregate, trim=trim, clip_multiple=clip_multiple)
   compressor = None if codec is None else compression.as_compressor(codec)
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
@@ -184,7 +210,7 @@ def diloco(
     mean_fn = _local.identity
 
   def sync_step(state, params, local, _, present):
-    delta, _, codec_state, included = _local.guarded_mean(
+    delta, _, codec_state, included = average(
         _local.pseudo_gradient(state.anchor, local), state.codec_state,
         present, compressor=compressor, comm=comm, seed=codec_seed,
         index=state.num_syncs, mean_fn=mean_fn)
@@ -213,11 +239,15 @@ def local_sgd(
     reduce_fn: Callable[[Any], Any] | None = None,
     codec: compression.Scheme = None,
     codec_seed: int = 0,
+    aggregate: str = 'mean',
+    trim: int = 1,
+    clip_multiple: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
 
   The outer-SGD case of :func:`diloco` with learning rate 1 and no momentum:
-  the new anchor is ``phi - mean(phi - theta') = mean(theta')``.
+  the new anchor is ``phi - mean(phi - theta') = mean(theta')`` (or the
+  robust ``aggregate`` of the local parameters, see :func:`diloco`).
 
   References:
     McMahan et al., *Communication-Efficient Learning of Deep Networks from
@@ -233,6 +263,9 @@ def local_sgd(
       reduce_fn=reduce_fn,
       codec=codec,
       codec_seed=codec_seed,
+      aggregate=aggregate,
+      trim=trim,
+      clip_multiple=clip_multiple,
   )
 
 

@@ -30,6 +30,7 @@ from loc_opt import compression
 from loc_opt.outer import _fragments
 from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
+from loc_opt.outer import robust
 from loc_opt.outer._fragments import fragment_bytes  # noqa: F401
 from loc_opt.outer._fragments import fragment_ids  # noqa: F401
 from loc_opt.outer._fragments import FragmentFn
@@ -145,6 +146,7 @@ class _Config(NamedTuple):
   compressor: compression.Compressor | None
   comm: compression.Comm | None
   codec_seed: int
+  average: Any = _local.guarded_mean  # loc_opt.outer.robust.averager
 
   def varying(self, tree: Any) -> Any:
     return _local.varying_fn(self.comm)(tree)
@@ -210,7 +212,7 @@ class _Step:
     state = () if cfg.compressor is None else codec_states[p]
     if cfg.compressor is not None:  # one tensor per block of stacked rows
       delta = _fragments.tensors(group, delta)
-    mean, _, cs, included = _local.guarded_mean(
+    mean, _, cs, included = cfg.average(
         delta, state, self.present, compressor=cfg.compressor,
         comm=cfg.comm, seed=cfg.codec_seed, index=self.state.count,
         mean_fn=_local.identity if cfg.comm is None else cfg.comm.pmean)
@@ -297,6 +299,9 @@ def streaming_diloco(
     anchor_dtype: Any = jnp.float32,
     codec: compression.Scheme = None,
     codec_seed: int = 0,
+    aggregate: str = 'mean',
+    trim: int = 1,
+    clip_multiple: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Streaming DiLoCo: DiLoCo syncing one fragment at a time, overlapped.
 
@@ -367,6 +372,12 @@ def streaming_diloco(
       Each fragment keeps its own compressor state across syncs.
     codec_seed: seed of the key shared by all workers on each send (folded
       with the step count), for codecs that draw random numbers.
+    aggregate: how a fragment's pseudo-gradients are combined, with
+      ``trim`` and ``clip_multiple``: see :func:`loc_opt.diloco` and
+      :mod:`loc_opt.outer.robust`.
+    trim: ``'trimmed_mean'``: values dropped at each end per coordinate.
+    clip_multiple: ``'norm_clipped_mean'``: the bound, a multiple of the
+      median norm (of the fragment's pseudo-gradients).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -392,13 +403,16 @@ def streaming_diloco(
   alpha = _checks.in_interval(alpha, 'alpha', 0, 1)
   if codec is not None and axis_name is None:
     raise ValueError('streaming_diloco with a codec needs an axis_name')
+  robust.check(aggregate, trim=trim, clip_multiple=clip_multiple,
+               codec=codec)
   inner = optax.with_extra_args_support(inner)
   cfg = _Config(
       num_fragments=p_count, sync_every=sync_every, overlap=overlap,
       alpha=alpha, outer=_local.nesterov_outer() if outer is None else outer,
       compressor=None if codec is None else compression.as_compressor(codec),
       comm=compression.Comm(axis_name) if axis_name is not None else None,
-      codec_seed=codec_seed)
+      codec_seed=codec_seed, average=robust.averager(
+          aggregate, trim=trim, clip_multiple=clip_multiple))
 
   def split(params):
     return _fragments.pieces(

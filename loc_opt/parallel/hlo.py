@@ -52,6 +52,9 @@ class Collective:
       all of them, else `None` (also `None` outside loops).
     is_async: whether it runs asynchronously (`-start`/`-done`, or inside
       an `async-start`).
+    worker_groups: the distinct sets of workers that its replica groups (or
+      permute pairs) join, as sorted tuples of worker indices; `()` when
+      it joins no two devices.
   """
 
   kind: str
@@ -65,6 +68,13 @@ class Collective:
   in_loop: bool = False
   trip_count: int | None = None
   is_async: bool = False
+  worker_groups: tuple[tuple[int, ...], ...] = ()
+
+  def crosses_groups(self, group_size: int) -> bool:
+    """Whether it joins workers of two groups of `group_size` consecutive
+    workers (worker `w` is in group `w // group_size`)."""
+    return any(len({w // group_size for w in g}) > 1
+               for g in self.worker_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +110,12 @@ class CollectiveReport:
   def within_worker_bytes(self) -> int:
     """Bytes of unconditional within-worker collectives."""
     return self._sum(False)
+
+  def cross_group_bytes(self, group_size: int) -> int:
+    """Bytes of unconditional collectives that join two groups of
+    `group_size` consecutive workers (the slow links of a hierarchy)."""
+    return sum(c.total_bytes for c in self.collectives
+               if c.branch is None and c.crosses_groups(group_size))
 
   @property
   def cross_worker_bytes_per_worker(self) -> float:
@@ -379,7 +395,9 @@ class _Walker:
     if flat and (min(flat) < 0 or max(flat) >= len(self.worker)):
       raise ValueError(f'{ins.name} names device {max(flat)} but the program '
                        f'runs on {len(self.worker)} devices')
-    cross = any(len({int(self.worker[d]) for d in g}) > 1 for g in groups)
+    joined = {tuple(sorted({int(self.worker[d]) for d in g}))
+              for g in groups}
+    cross = any(len(g) > 1 for g in joined)
     devices = len(groups) if kind == 'collective-permute' else len(flat)
     size = len(groups[0]) if groups else 1
     shape, nbytes = self.operand_bytes(comp, ins, kind, size)
@@ -389,6 +407,7 @@ class _Walker:
       branch=ctx.branch or None, in_loop=ctx.in_loop,
       trip_count=ctx.trips if ctx.in_loop else None,
       is_async=ctx.is_async or ins.opcode.endswith('-start'),
+      worker_groups=tuple(sorted(g for g in joined if len(g) > 1)),
     )
 
   def expand(self, ids, kind, channel, global_ids) -> list[list[int]]:

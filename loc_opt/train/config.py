@@ -183,6 +183,54 @@ def outer_optimizer(config: ml_collections.ConfigDict
   return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
 
 
+# outer.<field> -> the argument of loc_opt.diloco (and local_sgd,
+# streaming_diloco) it sets.
+AGGREGATE_FIELDS = {'aggregate': 'aggregate', 'aggregate_trim': 'trim',
+                    'aggregate_clip': 'clip_multiple'}
+
+
+def aggregate_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The robust-aggregation arguments (``aggregate``, ``trim``,
+  ``clip_multiple``) that ``outer.aggregate``, ``outer.aggregate_trim`` and
+  ``outer.aggregate_clip`` set, validated; absent fields take the library's
+  defaults."""
+  cfg = config.outer
+  kwargs = {arg: plain(cfg[f]) for f, arg in AGGREGATE_FIELDS.items()
+            if f in cfg}
+  if 'aggregate' in kwargs:
+    _checks.one_of(kwargs['aggregate'], 'outer.aggregate',
+                   outer_lib.AGGREGATES)
+  if 'trim' in kwargs:
+    _checks.nonnegative_int(kwargs['trim'], 'outer.aggregate_trim')
+  if 'clip_multiple' in kwargs:
+    _checks.positive_float(kwargs['clip_multiple'], 'outer.aggregate_clip')
+  return kwargs
+
+
+# The methods whose average takes outer.aggregate (a robust rule).
+ROBUST_METHODS = ('diloco', 'local_sgd', 'streaming_diloco')
+
+
+def check_aggregate(config) -> None:
+  """Validates ``outer.aggregate`` and its parameters against the method,
+  the codec and the worker count."""
+  kwargs = aggregate_kwargs(config)
+  rule = kwargs.get('aggregate', 'mean')
+  method = config.outer.method
+  if rule != 'mean' and method not in ROBUST_METHODS:
+    raise ValueError(f'outer.aggregate={rule!r}: outer.method={method!r} '
+                     f'averages with a mean only (robust rules: '
+                     f'{", ".join(ROBUST_METHODS)})')
+  codec = None if config.outer.get('codec', 'none') == 'none' else 'codec'
+  checked('outer.aggregate', outer_lib.robust.check, rule,
+                  codec=codec)
+  trim = kwargs.get('trim', 1)
+  if rule == 'trimmed_mean' and 2 * trim >= config.mesh.workers:
+    raise ValueError(f'outer.aggregate_trim={trim} drops every one of the '
+                     f'{config.mesh.workers} workers (mesh.workers); use '
+                     'aggregate_trim < mesh.workers / 2')
+
+
 def compressor_kwargs(config: ml_collections.ConfigDict
                       ) -> dict[str, Any]:
   """The arguments of ``compression.build_compressor`` that the ``outer``

@@ -125,6 +125,7 @@ def _check_method(config) -> None:
                      f'fixed plan; outer.sync_schedule must be '
                      f"'constant', got {sched!r}")
   registry.check_section(config)
+  cfg_lib.check_aggregate(config)
   # validates the sync schedule and the method's fields
   _check_syncs(config, method.plan(config))
   if method.per_worker:

@@ -43,7 +43,8 @@ class StepPrograms(collections.abc.Mapping):
   """``phase -> compiled train step``, compiled on first use.
 
   Iterating lists the phases compiled so far; ``bytes`` and ``transfers``
-  hold what each compiled phase's cross-worker collectives move.
+  hold what each compiled phase's cross-worker collectives move, and
+  ``reports`` their whole ``CollectiveReport``.
   """
 
   def __init__(self, compile_fn, phases):
@@ -53,6 +54,8 @@ class StepPrograms(collections.abc.Mapping):
     self.bytes: dict[Any, int] = {}  # cross-worker bytes (all devices)
     # cross-worker collectives: (kind, bytes one worker contributes)
     self.transfers: dict[Any, tuple[tuple[str, float], ...]] = {}
+    # the collectives of each compiled phase (loc_opt.parallel.hlo)
+    self.reports: dict[Any, parallel.CollectiveReport] = {}
 
   def __getitem__(self, phase):
     if phase not in self._steps:
@@ -62,6 +65,7 @@ class StepPrograms(collections.abc.Mapping):
       self._steps[phase] = compiled
       self.bytes[phase] = int(report.cross_worker_bytes)
       self.transfers[phase] = parallel.cross_worker_transfers(report)
+      self.reports[phase] = report
     return self._steps[phase]
 
   def __iter__(self):

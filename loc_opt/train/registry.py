@@ -32,6 +32,7 @@ from loc_opt.outer import plan as plan_lib
 from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
+from loc_opt.train import hierarchy
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method
 
@@ -74,17 +75,28 @@ def _period_plan(config) -> plan_lib.Plan:
                               config.num_steps)
 
 
+def _codec(config):
+  """``outer.codec``'s compressor; ``None`` for ``'none'`` under a rule
+  that all-gathers fp32 pseudo-gradients (median, trimmed mean)."""
+  rule = cfg_lib.aggregate_kwargs(config).get('aggregate', 'mean')
+  if rule in outer_lib.robust.GATHERED and config.outer.codec == 'none':
+    return None
+  return cfg_lib.make_compressor(config)
+
+
 def _build_diloco(config, inner, axis_name):
-  return outer_lib.diloco(
-      inner, sync_every=cfg_lib.make_sync_every(config),
+  return cfg_lib.checked(
+      'outer.aggregate', outer_lib.diloco, inner,
+      sync_every=cfg_lib.make_sync_every(config),
       outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
-      codec=cfg_lib.make_compressor(config))
+      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_local_sgd(config, inner, axis_name):
-  return outer_lib.local_sgd(
-      inner, sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
-      codec=cfg_lib.make_compressor(config))
+  return cfg_lib.checked(
+      'outer.aggregate', outer_lib.local_sgd, inner,
+      sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
+      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_compressed_dp(config, inner, axis_name):
@@ -153,7 +165,8 @@ def _build_streaming(config, inner, axis_name):
       'outer.streaming_diloco', outer_lib.streaming_diloco, inner,
       sync_every=_h(config), num_fragments=num_fragments,
       fragments=fragments, outer=cfg_lib.outer_optimizer(config),
-      axis_name=axis_name, codec=cfg_lib.make_compressor(config),
+      axis_name=axis_name, codec=_codec(config),
+      **cfg_lib.aggregate_kwargs(config),
       **_kwargs('streaming_diloco', outer_lib.streaming_diloco, config))
 
 
@@ -515,6 +528,14 @@ METHODS: Mapping[str, Method] = {
         # the stale average may arrive any time in the next round
         overlap_steps=_h, section='co2', library_kwargs=_co2_kwargs,
         shared_fields=('anchor', 'outer_momentum', 'stale_mean') + _COUNTERS),
+    # Groups of workers sync every H1 steps, the groups every H2.
+    'hierarchical_diloco': Method(
+        per_worker=True, build=hierarchy.build, plan=hierarchy.plan,
+        eval_params=outer_lib.hierarchical_eval_params,
+        section=hierarchy.SECTION,
+        # the group anchor and outer state are each group's own
+        shared_fields=('anchor', 'outer_state', 'num_global_syncs')
+        + _COUNTERS),
     'async_local_sgd': Method(
         per_worker=True, build=_build_async, plan=_async_plan,
         eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,
@@ -541,6 +562,8 @@ _SECTION_CHECKS: Mapping[str, Mapping[str, Callable[[Any, str], Any]]] = {
                        value, field, 0.0, 1.0)},
     'co2': {'learning_rate': cfg_lib.learning_rate,
             'momentum': cfg_lib.momentum},
+    'hierarchical_diloco': {'global_learning_rate': cfg_lib.learning_rate,
+                            'global_momentum': cfg_lib.momentum},
 }
 
 

@@ -46,6 +46,7 @@ CASES = {
     'edit_diloco': {'outer.edit_diloco.warmup_syncs': 1},
     'co2': {},
     'decoupled_diloco': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
+    'hierarchical_diloco': {},  # groups of 2, H1 = 4, H2 = 8
 }
 TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
            'async_local_sgd')
@@ -186,6 +187,21 @@ def test_stragglers_stretch_a_synchronous_run():
     ('noloco', {'wallclock.step_time_s': 0.0}, 'wallclock.step_time_s'),
     ('noloco', {'wallclock.bandwidths_gbps': (1.0, -2.0)},
      'wallclock.bandwidths_gbps'),
+    ('hierarchical_diloco', {'outer.hierarchical_diloco.group_size': 3},
+     'outer.hierarchical_diloco.group_size'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.global_momentum': 1.0},
+     'outer.hierarchical_diloco.global_momentum'),
+    ('hierarchical_diloco', {'outer.hierarchical_diloco.global_period': 0},
+     'outer.hierarchical_diloco.global_period'),
+    ('diloco', {'outer.aggregate': 'mode'}, 'outer.aggregate'),
+    ('noloco', {'outer.aggregate': 'median'}, 'outer.aggregate'),
+    ('diloco', {'outer.aggregate': 'median', 'outer.codec': 'int8'},
+     'outer.aggregate'),
+    ('local_sgd', {'outer.aggregate': 'trimmed_mean',
+                   'outer.aggregate_trim': 2}, 'outer.aggregate_trim'),
+    ('streaming_diloco', {'outer.aggregate_clip': 0.0},
+     'outer.aggregate_clip'),
 ])
 def test_bad_fields_are_named(data_dir, method, bad, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
@@ -206,6 +222,29 @@ def test_config_defaults_are_the_library_defaults(data_dir, name):
     for arg, value in kwargs.items():
       want = registry.library_default(fn, arg)
       assert value == want, (name, fn.__name__, arg, value, want)
+
+
+def test_aggregate_defaults_are_the_library_defaults(data_dir):
+  kwargs = cfg_lib.aggregate_kwargs(tiny_config(data_dir))
+  assert set(kwargs) == set(cfg_lib.AGGREGATE_FIELDS.values())
+  for fn in (outer.diloco, outer.local_sgd, outer.streaming_diloco):
+    for arg, value in kwargs.items():
+      assert value == registry.library_default(fn, arg), (fn, arg)
+
+
+def test_robust_aggregate_builds_a_gathering_diloco(data_dir):
+  config = _config(data_dir, 'diloco', **{'outer.aggregate': 'median'})
+  train.validate_config(config, 8)
+  tx = registry.get_method('diloco').build(
+      config, cfg_lib.make_inner(config), None)
+  params = {'w': np.ones((3, 2), np.float32)}
+  state = tx.init(params)
+  bad = {'w': np.full((3, 2), np.nan, np.float32)}
+  # One worker, not finite: left out, the anchor stays.
+  for _ in range(config.outer.sync_every):
+    _, state = tx.update(bad, state, params)
+  assert int(state.left_out) == 1
+  np.testing.assert_array_equal(state.anchor['w'], params['w'])
 
 
 def test_every_method_section_is_read(data_dir):

@@ -1,0 +1,120 @@
+r"""Hierarchical DiLoCo against flat DiLoCo at equal cross-group bytes.
+
+Trains the config's LM (4 workers x 2 devices) with flat DiLoCo at H = 30
+and H = 60, and with hierarchical DiLoCo over 2 groups of 2 workers (groups
+sync every H1 = 30 steps, groups merge every H2 = 60 steps;
+``loc_opt.outer.hierarchical_diloco``). DiLoCo at H = 60 sends the same
+bytes between groups as the hierarchy (one all-reduce every 60 steps); H =
+30 sends twice as many. For each run the compiled programs give the bytes
+that cross groups and those that stay inside them, and the wall-clock model
+plays them on a machine with fast links inside a group and slow links
+between groups (``loc_opt.train.hierarchy.two_level_seconds``).
+
+  python -m experiments.hierarchical --workdir=/tmp/hierarchical \
+    [--runs=flat_h30,flat_h60,hier_30_60,hier_15_60] \
+    [--slow_gbps=1] [--fast_gbps=100] [--config.num_steps=300]
+
+Each run lives in its own directory under --workdir and resumes from its
+checkpoints (a finished run is read back, not retrained). Writes
+``hierarchical.md`` and ``hierarchical.json`` to --workdir.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: '
+                          'flat_h30, flat_h60, hier_30_60).')
+_SLOW = flags.DEFINE_float('slow_gbps', 1.0, 'Link between groups, Gbit/s.')
+_FAST = flags.DEFINE_float('fast_gbps', 100.0, 'Links inside a group.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+flags.mark_flag_as_required('workdir')
+
+GROUP_SIZE = 2
+# name -> (label, method, H (= H1), H2 / H1)
+RUNS = {
+    'flat_h30': ('DiLoCo, H=30', 'diloco', 30, None),
+    'flat_h60': ('DiLoCo, H=60', 'diloco', 60, None),
+    'hier_30_60': ('Hierarchical, H1=30, H2=60', 'hierarchical_diloco', 30,
+                   2),
+    'hier_15_60': ('Hierarchical, H1=15, H2=60', 'hierarchical_diloco', 15,
+                   4),
+}
+DEFAULT_RUNS = ('flat_h30', 'flat_h60', 'hier_30_60')
+
+
+def _traffic(config) -> dict[str, float]:
+  """Bytes inside and between groups over the run, and the two-link
+  wall-clock, from the run's compiled programs."""
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import hierarchy  # pylint: disable=g-import-not-at-top
+  exp = exp_lib.get_experiment(config)
+  wc = config.wallclock
+  fast = parallel.Link(_FAST.value, wc.latency_s)
+  slow = parallel.Link(_SLOW.value, wc.latency_s)
+  phases = list(exp.plan.walk(0, config.num_steps))
+  reports = {}
+  for phase in set(phases):
+    exp.programs.steps[phase]  # compiles it  # pylint: disable=pointless-statement
+    reports[phase] = exp.programs.steps.reports[phase]
+  m = config.mesh.workers
+  between = sum(reports[p].cross_group_bytes(GROUP_SIZE) for p in phases)
+  total = sum(reports[p].cross_worker_bytes for p in phases)
+  seconds = {p: hierarchy.two_level_seconds(r, GROUP_SIZE, fast, slow)
+             for p, r in reports.items()}
+  clock = parallel.simulate_wallclock([seconds[p] for p in phases],
+                                      step_time_s=wc.step_time_s)
+  return {'between_groups_mb_per_worker': between / m / 1e6,
+          'within_groups_mb_per_worker': (total - between) / m / 1e6,
+          'seconds': clock.total_s, 'utilization': clock.utilization}
+
+
+def _table(results, config) -> str:
+  lines = [
+      f'{config.mesh.workers} workers in groups of {GROUP_SIZE}, '
+      f'{config.num_steps} steps; links {_FAST.value:g} Gbit/s inside a '
+      f'group, {_SLOW.value:g} Gbit/s between groups, '
+      f'{config.wallclock.step_time_s:g} s per step.', '',
+      '| run | final eval loss | MB/worker between groups | MB/worker '
+      'inside groups | simulated s | utilization |',
+      '|---|---:|---:|---:|---:|---:|']
+  for name, r in results.items():
+    lines.append(
+        f'| {RUNS[name][0]} | {r["final_eval_loss"]:.4f} | '
+        f'{r["between_groups_mb_per_worker"]:.2f} | '
+        f'{r["within_groups_mb_per_worker"]:.2f} | {r["seconds"]:.1f} | '
+        f'{r["utilization"]:.3f} |')
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  names = _runs.chosen(_RUNS.value or list(DEFAULT_RUNS), RUNS)
+  config = _CONFIG.value
+  results = {}
+  for name in names:
+    label, method, h, period = RUNS[name]
+    overrides = {'outer__method': method, 'outer__sync_every': h}
+    if period is not None:
+      overrides['outer__hierarchical_diloco__group_size'] = GROUP_SIZE
+      overrides['outer__hierarchical_diloco__global_period'] = period
+    run_config = _runs.variant(config, **overrides)
+    summary = _runs.run(run_config, f'{_WORKDIR.value}/{name}', label)
+    results[name] = {k: summary[k] for k in (
+        'final_eval_loss', 'final_train_loss', 'syncs', 'curve')}
+    results[name].update(_traffic(run_config))
+  _runs.write(_WORKDIR.value, 'hierarchical', _table(results, config),
+              {'config': config.to_dict(), 'group_size': GROUP_SIZE,
+               'fast_gbps': _FAST.value, 'slow_gbps': _SLOW.value,
+               'runs': results})
+
+
+if __name__ == '__main__':
+  app.run(main)

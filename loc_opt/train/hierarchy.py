@@ -1,0 +1,107 @@
+"""Hierarchical DiLoCo in the trainer (``outer.method='hierarchical_diloco'``).
+
+The section ``outer.hierarchical_diloco`` (see ``configs/diloco_lm.py``)
+splits the ``mesh.workers`` workers into groups of ``group_size``; groups
+sync every ``outer.sync_every`` steps (H1) with the shared outer optimizer
+(``outer.learning_rate``, ``momentum``, ``nesterov``), and every
+``global_period x H1`` steps (H2) the groups merge with the global outer
+optimizer (``global_learning_rate``, ``global_momentum``; Nesterov when the
+momentum is positive), through ``outer.codec``.
+
+:func:`two_level_seconds` is the wall-clock model of such a machine: fast
+links inside a group, slow ones between groups.
+
+Reference: Kim et al., *HALoS: Hierarchical Asynchronous Local SGD over Slow
+Networks for Geo-Distributed Large Language Model Training*, 2025.
+"""
+
+from typing import Any
+
+import ml_collections
+import optax
+
+from loc_opt import outer as outer_lib
+from loc_opt import parallel
+from loc_opt.train import config as cfg_lib
+
+SECTION = 'hierarchical_diloco'
+
+
+def _field(config: ml_collections.ConfigDict, name: str) -> Any:
+  s = cfg_lib.section(config, SECTION)
+  if name not in s:
+    raise ValueError(f'outer.{SECTION}.{name} is missing from the config')
+  return s[name]
+
+
+def periods(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """``(H1, H2)``: ``outer.sync_every`` and ``global_period`` x it."""
+  h1 = cfg_lib.sync_every(config)
+  k = _field(config, 'global_period')
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f'outer.{SECTION}.global_period must be a positive '
+                     f'int (global syncs every that many group syncs), '
+                     f'got {k!r}')
+  return h1, k * h1
+
+
+def group_size(config: ml_collections.ConfigDict) -> int:
+  """``group_size``, checked against ``mesh.workers``."""
+  g = _field(config, 'group_size')
+  m = config.mesh.workers
+  if isinstance(g, bool) or not isinstance(g, int) or g < 1 or m % g:
+    raise ValueError(f'outer.{SECTION}.group_size={g!r} must be a positive '
+                     f'int dividing mesh.workers={m}')
+  return g
+
+
+def plan(config: ml_collections.ConfigDict) -> outer_lib.Plan:
+  """The run's phases: ``False``, ``'group'``, ``'global'``."""
+  group_size(config)
+  return outer_lib.hierarchical_plan(*periods(config))
+
+
+def global_outer(config: ml_collections.ConfigDict
+                 ) -> optax.GradientTransformation:
+  """The global outer optimizer of the section."""
+  lr = cfg_lib.learning_rate(_field(config, 'global_learning_rate'),
+                             f'outer.{SECTION}.global_learning_rate')
+  mu = cfg_lib.momentum(_field(config, 'global_momentum'),
+                        f'outer.{SECTION}.global_momentum')
+  if not mu:
+    return optax.sgd(lr)
+  return outer_lib.nesterov_outer(lr, mu)
+
+
+def build(config: ml_collections.ConfigDict,
+          inner: optax.GradientTransformation, axis_name: str
+          ) -> optax.GradientTransformationExtraArgs:
+  """The transform of ``outer.method='hierarchical_diloco'``."""
+  h1, h2 = periods(config)
+  return cfg_lib.checked(
+      f'outer.{SECTION}', outer_lib.hierarchical_diloco, inner,
+      sync_every=h1, global_sync_every=h2, group_size=group_size(config),
+      group_outer=cfg_lib.outer_optimizer(config),
+      outer=global_outer(config), axis_name=axis_name,
+      codec=cfg_lib.make_compressor(config))
+
+
+def two_level_seconds(report: parallel.CollectiveReport, group_size: int,
+                      fast: parallel.Link, slow: parallel.Link) -> float:
+  """Seconds a step's unconditional cross-worker collectives take when
+  workers of a group (``group_size`` consecutive ones) share ``fast`` links
+  and groups are joined by ``slow`` ones.
+
+  Each collective is costed as :func:`loc_opt.parallel.collective_seconds`
+  over the workers it joins, on the slow link if it joins two groups, else
+  on the fast link; collectives run one after another.
+  """
+  total = 0.0
+  for c in report.collectives:
+    if not c.cross_worker or c.branch is not None:
+      continue
+    members = max(len(g) for g in c.worker_groups)
+    link = slow if c.crosses_groups(group_size) else fast
+    total += parallel.collective_seconds(
+        c.kind, c.total_bytes / report.num_workers, members, link)
+  return total
