@@ -24,7 +24,8 @@ allows at the default link), and the eval loss at equal simulated time and
 at equal tokens (linear interpolation on each run's eval curve).
 
   python -m experiments.decoupled --workdir=/tmp/decoupled \
-    [--runs=data_parallel,streaming,...] [--config.num_steps=300]
+    [--runs=data_parallel,streaming,...] [--config.num_steps=300] \
+    [--figure=docs/figures/decoupled.png]
 
 Each run lives in its own directory under --workdir and resumes from its
 checkpoints (a finished run is read back). Writes ``decoupled.md`` and
@@ -43,6 +44,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_FIGURE = flags.DEFINE_string(
+    'figure', None, 'Also write eval loss against tokens and against '
+    'simulated seconds to this PNG (needs matplotlib).')
 flags.mark_flag_as_required('workdir')
 
 _D = 'outer__decoupled_diloco__'
@@ -145,6 +149,33 @@ def _summarize(summary, config, clock) -> dict:
   return out
 
 
+def _points(summary, clock) -> list[tuple[int, int, float, float]]:
+  """``(step, tokens, simulated seconds, eval loss)`` of each evaluation."""
+  curve = summary['curve']['eval']
+  return [(int(t), *clock(int(t)), float(curve[t])) for t in sorted(curve)]
+
+
+def _plot(results, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for name, r in results.items():
+    pts = np.asarray(r['points'], float)
+    style = '--' if name in ('data_parallel', 'streaming') else '-'
+    for ax, col in zip(axes, (1, 2)):
+      ax.plot(pts[:, col] / (1e6 if col == 1 else 1), pts[:, 3], style,
+              label=RUNS[name][0])
+  axes[0].set_xlabel('tokens processed (M)')
+  axes[1].set_xlabel('simulated seconds')
+  axes[0].set_ylabel('eval loss')
+  axes[0].set_ylim(top=2.6)
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f'wrote {path}')
+
+
 def _merge_bytes(config) -> dict[str, int]:
   """Bytes one learner sends per merge of each fragment, read from the
   compiled merge programs (``phase -> bytes`` of the run's experiment)."""
@@ -177,6 +208,7 @@ def main(argv):
     summary = _runs.run(run_config, f'{_WORKDIR.value}/{name}', label)
     clocks[name] = _clock(run_config, run_config.outer.method)
     results[name] = _summarize(summary, run_config, clocks[name])
+    results[name]['points'] = _points(summary, clocks[name])
   if 'k1_grace' in results:
     ref = results['k1_grace']
     for name, r in results.items():
@@ -189,6 +221,8 @@ def main(argv):
     merge_bytes = _merge_bytes(config)
     table += ('\nBytes one learner sends (compiled HLO): ' + ', '.join(
         f'{k} {v:,}' for k, v in merge_bytes.items()) + '.\n')
+  if _FIGURE.value:
+    _plot(results, _FIGURE.value)
   _runs.write(_WORKDIR.value, 'decoupled', table,
               {'config': config.to_dict(), 'runs': results,
                'bytes_per_learner': merge_bytes})

@@ -413,7 +413,11 @@ def _mesh_reason(method_name: str) -> str:
 # Fields added after runs were saved, with the value that reproduces how
 # those runs behaved without them: a saved config that lacks one resumes
 # when the current value is that one.
-_ADDED_WITH_OLD_BEHAVIOUR = {'faults.chaos_chips_per_learner': 1}
+_ADDED_WITH_OLD_BEHAVIOUR = {
+    'faults.chaos_chips_per_learner': 1,
+    'outer.aggregate': 'mean',  # the plain mean; trim and clip unused
+    'outer.aggregate_trim': 1, 'outer.aggregate_clip': 1.0,
+}
 
 # The faults fields only a method with a timeline (Method.step_inputs)
 # reads; the others refuse any value but the default (validate_config).
