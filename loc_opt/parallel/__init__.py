@@ -18,6 +18,7 @@ from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport
 from loc_opt.parallel.wallclock import Link
+from loc_opt.parallel.wallclock import StepClock
 from loc_opt.parallel.wallclock import WallClock
 from loc_opt.parallel.wallclock import collective_seconds
 from loc_opt.parallel.wallclock import cross_worker_transfers
