@@ -73,8 +73,9 @@ def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):
   for name in names:
     data = (tmp_path / 'png' / name).read_bytes()
     assert data.startswith(PNG) and len(data) > 5000, name
-  assert plot._labels([plot.read_run(run_dir), plot.read_run(other)]) == [  # pylint: disable=protected-access
-      'diloco', 'data_parallel']
+  runs = [plot.read_run(run_dir), plot.read_run(other)]
+  labels = plot._labels(runs)  # pylint: disable=protected-access
+  assert labels == ['diloco', 'data_parallel']
 
 
 def test_plot_errors_name_the_problem(tmp_path, capsys):

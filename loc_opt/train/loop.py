@@ -4,9 +4,9 @@
 (``loc_opt.train.experiment``), starts from a checkpoint in ``workdir``, a
 branch of another run (``init_from``) or the initialisation, and runs the
 steps: the method's plan picks each step's compiled program on the host,
-metrics go to ``metrics.jsonl`` and the configured backends, evaluation uses the method's
-evaluation weights, and checkpoints make resume bit-exact. The absl
-launcher, notebooks and tests all call it.
+metrics go to ``metrics.jsonl`` and the configured backends, evaluation
+uses the method's evaluation weights, and checkpoints make resume
+bit-exact. The absl launcher, notebooks and tests all call it.
 """
 
 import dataclasses

@@ -44,10 +44,11 @@ def _suite_bodies() -> dict:
   return bodies
 
 
+# pylint: disable=protected-access  (the suite's targets are its helpers)
 BODIES = _suite_bodies()
-TARGETS = (optax_suite._setup_parabola, optax_suite._setup_rosenbrock,  # pylint: disable=protected-access
-           optax_suite._setup_matrix_parabola,  # pylint: disable=protected-access
-           optax_suite._setup_mixed_tensor_target)  # pylint: disable=protected-access
+TARGETS = (optax_suite._setup_parabola, optax_suite._setup_rosenbrock,
+           optax_suite._setup_matrix_parabola,
+           optax_suite._setup_mixed_tensor_target)
 # The suite's own parameter grids (its parameterized.product arguments).
 VARIANTS = {
     'test_optimizers_accept_extra_args': [{'wrap': False}],
@@ -139,7 +140,7 @@ def test_optax_contrib_suite(suite, name, test, variant):
 
 def _swan_run(initial, steps=30_000):
   """The suite's convergence run (same step, same scan length) for SWAN."""
-  _, target, objective = optax_suite._setup_matrix_parabola(jnp.float32)  # pylint: disable=protected-access
+  _, target, objective = optax_suite._setup_matrix_parabola(jnp.float32)
   tx = inner.swan(1e-2)
 
   @jax.jit
@@ -155,7 +156,7 @@ def _swan_run(initial, steps=30_000):
 
 def test_swan_keeps_the_fan_in_mean():
   """Why the suite's matrix targets are out of SWAN's reach."""
-  initial, _, _ = optax_suite._setup_matrix_parabola(jnp.float32)  # pylint: disable=protected-access
+  initial, _, _ = optax_suite._setup_matrix_parabola(jnp.float32)
   final, target = _swan_run(initial)
   # The mean over the fan-in axis (0) stays at the initial zeros ...
   np.testing.assert_allclose(final.mean(axis=0), 0.0, atol=1e-5)
@@ -168,7 +169,7 @@ def test_swan_keeps_the_fan_in_mean():
 
 def _matrix_parabola_same_means(dtype):
   """The suite's matrix parabola, started at the target's fan-in means."""
-  _, target, objective = optax_suite._setup_matrix_parabola(dtype)  # pylint: disable=protected-access
+  _, target, objective = optax_suite._setup_matrix_parabola(dtype)
   initial = jnp.broadcast_to(target.mean(axis=0, keepdims=True), target.shape)
   return initial, target, objective
 
