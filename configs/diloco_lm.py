@@ -28,6 +28,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 100  # Save every this many steps and at the end (0: end)
   c.keep_checkpoints = 2  # How many checkpoints to keep (>= 1).
   c.progress = True  # Progress bar on a terminal / log lines elsewhere.
+  # Where metrics go: metrics.jsonl always (the summary and
+  # `python -m loc_opt.plot` read it), plus any of 'tensorboard'
+  # (tensorboard/), 'csv' (metrics.csv) and 'wandb' (a Weights & Biases run;
+  # needs `pip install wandb`). May change on resume.
+  c.logging = ml_collections.ConfigDict()
+  c.logging.backends = ('jsonl', 'tensorboard')
+  c.logging.wandb_project = 'loc_opt'  # W&B project.
+  c.logging.wandb_name = ''  # W&B run name ('' = the workdir's name).
+  c.logging.wandb_mode = 'online'  # 'online', 'offline' or 'disabled'.
   c.halt_after_steps = 0  # Stop after this many steps (simulated preemption).
   # Start from another run's checkpoint (a WSD / WSD-S decay branch, see
   # loc_opt.train.branch_and_evaluate); used only while workdir has none.

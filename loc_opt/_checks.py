@@ -155,3 +155,29 @@ def _real(value: Any, name: str) -> float:
   if not np.isfinite(number):
     raise ValueError(f'{name} must be finite, got {value!r}')
   return number
+
+
+QUICKSTART = 'docs/quickstart.md'
+
+
+def axis_bound(axis_name: str, who: str = 'this transform') -> str:
+  """Returns ``axis_name`` if it is a bound mapped axis where this traces.
+
+  Raises a ``NameError`` that says what to wrap otherwise: a transform that
+  averages over workers (``axis_name='worker'`` by default) called in a
+  plain ``jax.jit`` loop, outside any map over workers.
+  """
+  try:
+    jax.lax.axis_size(axis_name)
+  except NameError:
+    raise NameError(
+        f'{who} averages over the worker axis {axis_name!r}, which is not '
+        'bound here: the update ran outside a map over workers. Wrap the '
+        'per-worker train step in loc_opt.parallel.vmap_workers(step) (M '
+        'simulated workers on one device; stack per-worker state and '
+        'batches on a leading axis of size M) or in '
+        'loc_opt.parallel.shard_map_workers(step, mesh) (a mesh with a '
+        f'{axis_name!r} axis), or pass axis_name=None for a single worker. '
+        f'Recipes for jit, NNX, Linen and sharded loops: {QUICKSTART}.'
+    ) from None
+  return axis_name

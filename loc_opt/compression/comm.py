@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from loc_opt import _checks
+
 # The within-worker axes of `loc_opt.parallel.make_worker_mesh` (kept here
 # to avoid an import cycle; a test checks they agree).
 INNER_AXES = ('data', 'fsdp', 'tensor')
@@ -45,6 +47,14 @@ class Comm:
   axis_name: str = 'worker'
   spread_over: Sequence[str] = INNER_AXES
 
+  @property
+  def bound_axis(self) -> str:
+    """``axis_name``, checked to be bound where the caller traces (else a
+    ``NameError`` that says to wrap the step in ``vmap_workers`` or
+    ``shard_map_workers``)."""
+    return _checks.axis_bound(self.axis_name, 'a loc_opt cross-worker '
+                              'collective')
+
   # ---------------------------------------------------------------- mesh ---
   def inner_axes(self) -> tuple[str, ...]:
     """The ``spread_over`` axes of the current (abstract) mesh, size > 1."""
@@ -60,11 +70,11 @@ class Comm:
 
   def size(self) -> int:
     """Number of workers."""
-    return jax.lax.axis_size(self.axis_name)
+    return jax.lax.axis_size(self.bound_axis)
 
   def index(self) -> jax.Array:
     """This worker's index along the worker axis."""
-    return jax.lax.axis_index(self.axis_name)
+    return jax.lax.axis_index(self.bound_axis)
 
   def spread(self, flat: jax.Array, multiple: int = 1) -> jax.Array:
     """Pads ``flat`` to ``multiple * inner_devices`` and shards it over them.
@@ -94,7 +104,7 @@ class Comm:
       kind = getattr(jax.typeof(x), 'manual_axis_type', None)
       if kind is not None and self.axis_name in kind.varying:
         return x
-      return jax.lax.pcast(x, self.axis_name, to='varying')
+      return jax.lax.pcast(x, self.bound_axis, to='varying')
 
     return jax.tree.map(leaf, tree)
 
@@ -112,17 +122,17 @@ class Comm:
     """Mean over workers; each element crosses workers once per worker."""
     return jax.tree.map(
         lambda x: self._spread_leaf(
-            x, lambda v: jax.lax.pmean(v, self.axis_name)), tree)
+            x, lambda v: jax.lax.pmean(v, self.bound_axis)), tree)
 
   def psum(self, tree: Any) -> Any:
     """Sum over workers; each element crosses workers once per worker."""
     return jax.tree.map(
         lambda x: self._spread_leaf(
-            x, lambda v: jax.lax.psum(v, self.axis_name)), tree)
+            x, lambda v: jax.lax.psum(v, self.bound_axis)), tree)
 
   def pmax(self, tree: Any) -> Any:
     """Max over workers (meant for scalars such as shared scales)."""
-    return jax.tree.map(lambda x: jax.lax.pmax(x, self.axis_name), tree)
+    return jax.tree.map(lambda x: jax.lax.pmax(x, self.bound_axis), tree)
 
   def all_gather(self, tree: Any) -> Any:
     """Every worker's copy of each leaf, stacked on a new leading axis.
@@ -136,11 +146,11 @@ class Comm:
 
     def leaf(x):
       if not axes or x.size < 2:
-        return jax.lax.all_gather(x, self.axis_name)
+        return jax.lax.all_gather(x, self.bound_axis)
       mesh = jax.sharding.get_abstract_mesh()
       flat = self.spread(x.reshape(-1))
       gathered = jax.shard_map(
-          lambda p: jax.lax.all_gather(p, self.axis_name),
+          lambda p: jax.lax.all_gather(p, self.bound_axis),
           mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(None, axes),
           axis_names=set(axes))(flat)
       return gathered[:, :x.size].reshape((gathered.shape[0],) + x.shape)
@@ -183,7 +193,7 @@ class Comm:
 
     def leaf(x):
       def exchange(v):
-        return jax.lax.all_to_all(v, self.axis_name, 0, 0, tiled=True)
+        return jax.lax.all_to_all(v, self.bound_axis, 0, 0, tiled=True)
 
       w = x.shape[0]
       flat = x.reshape(w, -1)
@@ -215,7 +225,7 @@ class Comm:
     perm = tuple((int(s), int(d)) for s, d in perm)
 
     def exchange(v):
-      return jax.lax.ppermute(v, self.axis_name, perm)
+      return jax.lax.ppermute(v, self.bound_axis, perm)
 
     def leaf(x):
       if not axes or x.size < 2:

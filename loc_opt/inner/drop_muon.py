@@ -20,7 +20,9 @@ class SampledLayersState(NamedTuple):
   count: jax.Array  # shape=(), dtype=int32: steps taken.
   key: jax.Array  # shape=(2,), dtype=uint32: PRNG key, folded with count.
   active: jax.Array  # shape=(num_layers,), bool: layers updated last step.
-  inner_states: tuple[Any, ...]  # one inner state per leaf (flatten order).
+  # The params' tree structure with each leaf's own inner state in place of
+  # the leaf (so `optax.tree.map_params` finds a params-shaped tree here).
+  inner_states: Any
 
 
 def _resolve(tree_or_fn, params):
@@ -114,6 +116,10 @@ def sampled_layers(
 
   Returns:
     A ``GradientTransformation``; ``state.active`` records the last draw.
+    ``state.inner_states`` has the params' tree structure with each leaf's
+    inner state in the leaf's place, so ``optax.tree.map_params`` maps its
+    function over every array of those per-leaf states (the leaf's
+    momentum and its step count alike).
   """
   _checks.one_of(sampler, 'sampler', typing.get_args(Sampler))
 
@@ -124,8 +130,9 @@ def sampled_layers(
         count=jnp.zeros([], jnp.int32),
         key=jax.random.PRNGKey(seed),
         active=jnp.zeros((num_layers,), bool),
-        inner_states=tuple(tx.init(p) for tx, p in
-                           zip(txs, jax.tree.leaves(params))))
+        inner_states=jax.tree.unflatten(
+            jax.tree.structure(params),
+            [tx.init(p) for tx, p in zip(txs, jax.tree.leaves(params))]))
 
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree.flatten(updates)
@@ -136,7 +143,8 @@ def sampled_layers(
     active = _sample(jax.random.fold_in(state.key, state.count), num_layers,
                      drop_prob, sampler=sampler, start_probs=start_probs)
     new_updates, new_states = [], []
-    for tx, i, g, s, p in zip(txs, ids, leaves, state.inner_states,
+    for tx, i, g, s, p in zip(txs, ids, leaves,
+                              treedef.flatten_up_to(state.inner_states),
                               param_leaves):
       u, s = jax.lax.cond(
           active[i],
@@ -147,7 +155,7 @@ def sampled_layers(
       new_states.append(s)
     return jax.tree.unflatten(treedef, new_updates), SampledLayersState(
         count=optax.safe_increment(state.count), key=state.key,
-        active=active, inner_states=tuple(new_states))
+        active=active, inner_states=treedef.unflatten(new_states))
 
   # Jitted so that eager callers run one compiled update, not op by op.
   return optax.GradientTransformation(init_fn, jax.jit(update_fn))

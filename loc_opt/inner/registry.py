@@ -25,10 +25,16 @@ from loc_opt.inner.stable_spam import stable_spam
 from loc_opt.inner.swan import swan
 from loc_opt.schedules import schedule_free as _schedule_free
 
+def _momentum(learning_rate: optax.ScalarOrSchedule,
+              momentum: float = 0.9, nesterov: bool = False
+              ) -> optax.GradientTransformation:
+  """SGD with heavy-ball (or Nesterov) momentum, 0.9 by default."""
+  return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     'sgd': optax.sgd,
-    'momentum': lambda learning_rate, momentum=0.9, nesterov=False: optax.sgd(
-        learning_rate, momentum=momentum, nesterov=nesterov),
+    'momentum': _momentum,
     'adam': optax.adam,
     'adamw': optax.adamw,
     'lion': optax.lion,

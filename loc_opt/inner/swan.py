@@ -79,6 +79,14 @@ def scale_by_swan(
   re-centered along ``norm_over`` (exact in exact arithmetic) to drop the
   rounding noise the damped inverse amplifies in that null direction.
 
+  So every update has zero mean along ``norm_over``: without weight decay,
+  the mean of a matrix over that axis never moves from its initial value,
+  and SWAN reaches a target only up to that mean (the projection of the
+  target onto matrices with the initial means). This is the paper's
+  GradNorm, not a defect; it is why Optax's contrib conformance suite's
+  matrix-parabola and mixed targets, started at zero, are out of reach
+  (``tests/inner/test_optax_contrib_suite.py``).
+
   Args:
     eps: added to :math:`\sigma`.
     ns_steps: iterations of the whitening iteration.

@@ -333,11 +333,11 @@ def _weight(cfg: _Config, admitted: jax.Array, steps: jax.Array,
 def _peer(cfg: _Config, tree: Any, source: int) -> Any:
   """Learner ``source``'s copy of ``tree``, on every learner (one
   all-reduce: only the source contributes)."""
-  me = jax.lax.axis_index(cfg.comm.axis_name)
+  me = jax.lax.axis_index(cfg.comm.bound_axis)
 
   def leaf(x):
     return jax.lax.psum(jnp.where(me == source, x, jnp.zeros_like(x)),
-                        cfg.comm.axis_name)
+                        cfg.comm.bound_axis)
 
   return jax.tree.map(leaf, tree)
 

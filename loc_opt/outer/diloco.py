@@ -15,7 +15,6 @@ References:
 """
 
 from collections.abc import Callable
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -205,7 +204,9 @@ def diloco(
   if reduce_fn is not None:
     mean_fn = reduce_fn
   elif axis_name is not None:
-    mean_fn = functools.partial(jax.lax.pmean, axis_name=axis_name)
+    def mean_fn(tree):
+      axis = _checks.axis_bound(axis_name, 'loc_opt.diloco or local_sgd')
+      return jax.lax.pmean(tree, axis)
   else:
     mean_fn = _local.identity
 

@@ -117,7 +117,7 @@ def _weights(norm: jax.Array, keep: jax.Array,
   and keep flag (an all-gather of two scalars each)."""
   own = jnp.stack([norm, keep.astype(jnp.float32)])
   if comm is not None:
-    table = jax.lax.all_gather(own, comm.axis_name)  # [M, 2]: a few bytes
+    table = jax.lax.all_gather(own, comm.bound_axis)  # [M, 2]: a few bytes
     index = comm.index()
     workers = comm.size()
   else:

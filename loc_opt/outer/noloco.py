@@ -281,7 +281,8 @@ def noloco(
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
   def num_workers():
-    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    return 1 if axis_name is None else jax.lax.axis_size(
+        _checks.axis_bound(axis_name, 'loc_opt.noloco'))
 
   def phase(sync):
     """``(branch phase, static groups or None)`` of the ``sync`` argument."""

@@ -9,6 +9,7 @@ from loc_opt.parallel.mesh import devices_per_worker
 from loc_opt.parallel.mesh import make_worker_mesh
 from loc_opt.parallel.mesh import num_workers
 from loc_opt.parallel.mesh import WORKER
+from loc_opt.parallel.runners import replicate
 from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers
 from loc_opt.parallel import goodput
@@ -17,6 +18,7 @@ from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport
 from loc_opt.parallel.wallclock import Link
+from loc_opt.parallel.wallclock import StepClock
 from loc_opt.parallel.wallclock import WallClock
 from loc_opt.parallel.wallclock import collective_seconds
 from loc_opt.parallel.wallclock import cross_worker_transfers

@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from loc_opt import _checks
 from loc_opt.parallel import mesh as mesh_lib
 
 AxisSpec = int | None
@@ -61,6 +63,20 @@ def _one_worker(fn, axis_name, in_axes, out_axes):
     return outs[0] if single else outs
 
   return mapped
+
+
+def replicate(tree: Any, num_workers: int) -> Any:
+  """``num_workers`` identical copies of every leaf, stacked on a new
+  leading axis: the per-worker layout of :func:`vmap_workers` and
+  :func:`shard_map_workers` (DiLoCo's workers start from one point).
+
+  Example:
+    >>> replicate({'w': jnp.zeros(3)}, 4)['w'].shape
+    (4, 3)
+  """
+  num_workers = _checks.positive_int(num_workers, 'num_workers')
+  return jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_workers, *jnp.shape(x))), tree)
 
 
 def vmap_workers(

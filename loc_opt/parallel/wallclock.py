@@ -148,6 +148,62 @@ class WallClock:
     return self.ideal_s / self.total_s if self.total_s else 1.0
 
 
+class StepClock:
+  """The simulated clock of :func:`simulate`, advanced one step at a time.
+
+  ``advance(seconds)`` plays one step whose cross-worker collectives take
+  ``seconds`` and returns the clock when that step's compute (and any
+  collective it had to wait for) is done; :func:`simulate` is this clock
+  over a whole run plus the collectives still in flight at its end. The
+  trainer logs it per step (``wallclock/<bandwidth>_seconds``).
+
+  Args:
+    step_time_s: compute seconds of one step of the fastest worker.
+    overlap_steps: as in :func:`simulate`.
+    slowdown: as in :func:`simulate`.
+  """
+
+  def __init__(self, *, step_time_s: float, overlap_steps: int = 0,
+               slowdown: float = 1.0):
+    _checks.nonnegative_float(step_time_s, 'step_time_s')
+    _checks.nonnegative_int(overlap_steps, 'overlap_steps')
+    _checks.in_interval(slowdown, 'slowdown', 1, math.inf)
+    self.step_time_s, self.overlap_steps = step_time_s, overlap_steps
+    self.step_s = step_time_s * slowdown
+    self.now = self.link_free = self.busy = self.waited = 0.0
+    self.steps = 0
+    self._due: dict[int, float] = {}  # step -> its awaited collectives' end
+
+  def advance(self, seconds: float) -> float:
+    """Plays the next step (its collectives take ``seconds``)."""
+    s = self.steps
+    self.now += self.step_s
+    if seconds > 0:
+      start = max(self.now, self.link_free)
+      self.link_free = start + seconds
+      self.busy += seconds
+      end = s + self.overlap_steps
+      self._due[end] = max(self._due.get(end, 0.0), self.link_free)
+    done = self._due.pop(s, 0.0)
+    if done > self.now:
+      self.waited += done - self.now
+      self.now = done
+    self.steps += 1
+    return self.now
+
+  def finish(self) -> WallClock:
+    """The run so far as a :class:`WallClock`, waiting for the collectives
+    still in flight (the clock itself is left as it was)."""
+    now, waited = self.now, self.waited
+    for done in self._due.values():
+      if done > now:
+        waited += done - now
+        now = done
+    return WallClock(total_s=now, ideal_s=self.step_time_s * self.steps,
+                     compute_s=self.step_s * self.steps,
+                     comm_s=self.busy, exposed_comm_s=waited)
+
+
 def simulate(comm_seconds: Sequence[float], *, step_time_s: float,
              overlap_steps: int = 0, slowdown: float = 1.0) -> WallClock:
   """Plays a run's steps against one link.
@@ -165,28 +221,8 @@ def simulate(comm_seconds: Sequence[float], *, step_time_s: float,
   Returns:
     The simulated :class:`WallClock`.
   """
-  _checks.nonnegative_float(step_time_s, 'step_time_s')
-  _checks.nonnegative_int(overlap_steps, 'overlap_steps')
-  _checks.in_interval(slowdown, 'slowdown', 1, math.inf)
-  step = step_time_s * slowdown
-  t = link_free = busy = waited = 0.0
-  due: dict[int, float] = {}  # step -> time its awaited collectives finish
-  for s, seconds in enumerate(comm_seconds):
-    t += step
-    if seconds > 0:
-      start = max(t, link_free)
-      link_free = start + seconds
-      busy += seconds
-      end = s + overlap_steps
-      due[end] = max(due.get(end, 0.0), link_free)
-    done = due.pop(s, 0.0)
-    if done > t:
-      waited += done - t
-      t = done
-  for done in due.values():  # collectives still in flight at the end
-    if done > t:
-      waited += done - t
-      t = done
-  return WallClock(total_s=t, ideal_s=step_time_s * len(comm_seconds),
-                   compute_s=step * len(comm_seconds),
-                   comm_s=busy, exposed_comm_s=waited)
+  clock = StepClock(step_time_s=step_time_s, overlap_steps=overlap_steps,
+                    slowdown=slowdown)
+  for seconds in comm_seconds:
+    clock.advance(seconds)
+  return clock.finish()

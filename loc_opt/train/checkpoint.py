@@ -16,7 +16,8 @@ On resume, the model, mesh, method, optimizer, data, batch size, seed and
 ``num_steps`` must match (:func:`resume_diffs`); run-control fields
 (``log_every``, ``eval_every``, ``eval_batches``, ``checkpoint_every``,
 ``keep_checkpoints``, ``progress``, ``halt_after_steps``, ``init_from``,
-``wallclock``, ``data.data_dir``, ``data.eval_batch_size``) may change.
+``logging``, ``wallclock``, ``data.data_dir``, ``data.eval_batch_size``)
+may change.
 ``num_steps`` may not: the learning-rate and sync schedules are built from
 it, so a longer or shorter resumed run would silently re-stretch them
 mid-run; to train longer, branch off the run (``init_from``). The ``mesh``
@@ -53,8 +54,9 @@ from loc_opt.train import registry
 
 # Config fields that must match for a checkpoint to be resumable (every
 # leaf under them), and the leaves under them that may change on resume.
-# Every other field (logging, evaluation and checkpoint cadence, progress,
-# halt_after_steps, init_from, wallclock) may change on resume.
+# Every other field (logging cadence and backends, evaluation and checkpoint
+# cadence, progress, halt_after_steps, init_from, wallclock) may change on
+# resume.
 # faults: injected NaNs, dropout and learner failures change the numbers;
 # worker speeds drive async local SGD's and Decoupled DiLoCo's numerics.
 _MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',

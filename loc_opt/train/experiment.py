@@ -319,7 +319,7 @@ def build_experiment(config: ml_collections.ConfigDict,
 # merges, tests).
 _RUN_CONTROL_FIELDS = ('eval_every', 'eval_batches', 'log_every',
                        'checkpoint_every', 'keep_checkpoints', 'progress',
-                       'halt_after_steps', 'init_from')
+                       'halt_after_steps', 'init_from', 'logging')
 _EXPERIMENT_CACHE: collections.OrderedDict[str, Experiment] = \
     collections.OrderedDict()
 _EXPERIMENT_CACHE_SIZE = 4

@@ -4,9 +4,9 @@
 (``loc_opt.train.experiment``), starts from a checkpoint in ``workdir``, a
 branch of another run (``init_from``) or the initialisation, and runs the
 steps: the method's plan picks each step's compiled program on the host,
-metrics go to ``metrics.jsonl`` and TensorBoard, evaluation uses the method's
-evaluation weights, and checkpoints make resume bit-exact. The absl
-launcher, notebooks and tests all call it.
+metrics go to ``metrics.jsonl`` and the configured backends, evaluation
+uses the method's evaluation weights, and checkpoints make resume
+bit-exact. The absl launcher, notebooks and tests all call it.
 """
 
 import dataclasses
@@ -96,8 +96,17 @@ class _Logger:
     # differ from those of the cached experiment's.
     self.exp, self.config = exp, config
     # Process 0 alone writes (every process evaluates: it is collective).
-    self.writer = (metrics_lib.MetricWriter(workdir, resume_step=start)
+    logging_section = config.get('logging')
+    self.writer = (metrics_lib.MetricWriter(
+        workdir, resume_step=start,
+        backends=metrics_lib.check_logging(config),
+        settings=logging_section.to_dict() if logging_section else {},
+        run_config=config.to_dict())
                    if hosts.is_writer() else metrics_lib.NullWriter())
+    # Simulated wall-clock per bandwidth, replayed to the start step.
+    self.clocks = simulated_time.RunClocks(exp)
+    for phase in exp.plan.walk(0, start):
+      self.clocks.advance(phase)
     self.eval_batches, self.progress = eval_batches, progress
     self.tokens_per_step = self.config.batch_size * self.config.data.seq_len
     self.last_time, self.last_step = time.perf_counter(), start
@@ -129,6 +138,7 @@ class _Logger:
     sync_bytes = self.exp.sync_bytes()
     if sync_bytes is not None:
       scalars['comm/cross_worker_bytes_per_sync'] = sync_bytes
+    scalars.update(self.clocks.scalars())
     scalars['faults/bad_steps'] = counters.bad_steps
     if self.exp.method.left_out is not None:
       scalars['faults/left_out'] = counters.left_out
@@ -166,6 +176,7 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     state, loss_arr = programs.steps[phase](state, batch)
     step_bytes = programs.bytes_per_step[phase]
     counters.advance(exp.plan.is_sync(phase), step_bytes)
+    logger.clocks.advance(phase)
     log_now, eval_now = logger.due(counters.step)
     if log_now or eval_now:
       counters.bad_steps = faults.check(state, counters.step, max_bad)
@@ -247,6 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   config_json = cfg_lib.config_to_json(config)
   t0 = time.perf_counter()
   exp_lib.validate_config(config, jax.device_count())
+  metrics_lib.check_logging(config)  # before compiling anything
   init_from = config.get('init_from')
   branching = (init_from is not None and bool(init_from.get('workdir'))
                and ckpt_lib.latest_step(workdir) is None)

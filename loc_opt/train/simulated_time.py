@@ -53,6 +53,36 @@ def run_phases(exp: Any, num_steps: int | None = None) -> list[Any]:
   return list(exp.plan.walk(0, num_steps))
 
 
+def _phase_seconds(exp: Any, link: parallel.Link, model_params: int = 0):
+  """``phase -> seconds`` of that phase's cross-worker collectives on
+  ``link`` (compiling the phase's program if this run has not yet), cached
+  per phase."""
+  config = exp.config
+  scale = model_params / exp.model.num_params if model_params else 1.0
+  steps = exp.programs.steps
+  cache = {}
+
+  def seconds(phase):
+    if phase not in cache:
+      steps[phase]  # compiled if this run has not used it yet
+      transfers = [(kind, n * scale) for kind, n in steps.transfers[phase]]
+      cache[phase] = parallel.transfers_seconds(
+          transfers, config.mesh.workers, link)
+    return cache[phase]
+
+  return seconds
+
+
+def _clock(exp: Any, *, step_time_s: float,
+           speeds: Sequence[float] | None = None) -> parallel.StepClock:
+  speeds = worker_speeds(exp.config) if speeds is None else tuple(speeds)
+  method = exp.method
+  slowdown = (1.0 / min(speeds)) if method.waits_for_stragglers else 1.0
+  return parallel.StepClock(step_time_s=step_time_s,
+                            overlap_steps=method.overlap_steps(exp.config),
+                            slowdown=slowdown)
+
+
 def simulate_run(exp: Any, link: parallel.Link, *,
                  step_time_s: float, model_params: int = 0,
                  speeds: Sequence[float] | None = None
@@ -70,23 +100,38 @@ def simulate_run(exp: Any, link: parallel.Link, *,
   Returns:
     The :class:`loc_opt.parallel.WallClock`.
   """
-  config, method = exp.config, exp.method
-  speeds = worker_speeds(config) if speeds is None else tuple(speeds)
-  scale = model_params / exp.model.num_params if model_params else 1.0
-  steps = exp.programs.steps
-  seconds_of = {}
-  comm = []
+  seconds = _phase_seconds(exp, link, model_params)
+  clock = _clock(exp, step_time_s=step_time_s, speeds=speeds)
   for phase in run_phases(exp):
-    if phase not in seconds_of:
-      steps[phase]  # compiled if this run has not used it yet
-      transfers = [(kind, n * scale) for kind, n in steps.transfers[phase]]
-      seconds_of[phase] = parallel.transfers_seconds(
-          transfers, config.mesh.workers, link)
-    comm.append(seconds_of[phase])
-  slowdown = (1.0 / min(speeds)) if method.waits_for_stragglers else 1.0
-  return parallel.simulate_wallclock(
-      comm, step_time_s=step_time_s,
-      overlap_steps=method.overlap_steps(config), slowdown=slowdown)
+    clock.advance(seconds(phase))
+  return clock.finish()
+
+
+class RunClocks:
+  """The simulated clock of a run per ``wallclock.bandwidths_gbps``,
+  advanced step by step as the trainer runs (none without a ``wallclock``
+  section). ``scalars()`` are the metrics ``wallclock/<bw>gbps_seconds``:
+  the simulated seconds at which the last step played finished."""
+
+  def __init__(self, exp: Any):
+    wc = exp.config.get('wallclock')
+    self._clocks = {}
+    if wc is None:
+      return
+    for gbps in wc.bandwidths_gbps or ():
+      link = parallel.Link(float(gbps), float(wc.latency_s))
+      self._clocks[f'{float(gbps):g}gbps'] = (
+          _clock(exp, step_time_s=float(wc.step_time_s)),
+          _phase_seconds(exp, link, int(wc.model_params)))
+
+  def advance(self, phase: Any) -> None:
+    """Plays one step of ``phase`` on every clock."""
+    for clock, seconds in self._clocks.values():
+      clock.advance(seconds(phase))
+
+  def scalars(self) -> dict[str, float]:
+    return {f'wallclock/{k}_seconds': clock.now
+            for k, (clock, _) in self._clocks.items()}
 
 
 def wallclock_summary(exp: Any) -> dict[str, Any]:

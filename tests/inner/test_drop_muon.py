@@ -33,6 +33,9 @@ def test_drop_muon_bernoulli_fraction_and_frozen_layers():
   params, grads = helpers.tree(helpers.MANY, 0), helpers.tree(helpers.MANY, 10)
   tx = scale_by_drop_muon(drop_prob=0.3, sampler='bernoulli')
 
+  per_leaf = lambda s: jax.tree.structure(params).flatten_up_to(
+      s.inner_states)
+
   @jax.jit
   def run(params, grads):
     def body(state, _):
@@ -41,7 +44,7 @@ def test_drop_muon_bernoulli_fraction_and_frozen_layers():
       same = jnp.stack([
           jnp.all(jnp.stack([jnp.all(a == b) for a, b in zip(
               jax.tree.leaves(s_new), jax.tree.leaves(s_old))]))
-          for s_new, s_old in zip(new.inner_states, state.inner_states)])
+          for s_new, s_old in zip(per_leaf(new), per_leaf(state))])
       return new, (new.active, zero, same)
 
     _, out = jax.lax.scan(body, tx.init(params), length=300)
