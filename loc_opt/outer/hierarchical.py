@@ -134,10 +134,12 @@ def group_codec_mean(delta: Any, codec_state: Any,
   return mean, comm.varying(codec_state)
 
 
-def _group_compressor(group_codec: compression.Scheme,
+def group_compressor(group_codec: compression.Scheme,
                       group_error_feedback: str, group_ef_decay: float
                       ) -> compression.Compressor | None:
-  """The group level's compressor (``None``: the fp32 mean)."""
+  """The group level's compressor from :func:`hierarchical_diloco`'s
+  ``group_codec``, ``group_error_feedback`` and ``group_ef_decay``
+  (``None``: the fp32 mean); raises ``ValueError`` for a bad one."""
   if group_codec is None:
     if group_error_feedback != 'none':
       raise ValueError(f'group_error_feedback={group_error_feedback!r} '
@@ -341,7 +343,7 @@ def hierarchical_diloco(
       group_outer
   outer = _local.nesterov_outer() if outer is None else outer
   compressor = None if codec is None else compression.as_compressor(codec)
-  group_compressor = _group_compressor(group_codec, group_error_feedback,
+  group_scheme = group_compressor(group_codec, group_error_feedback,
                                        group_ef_decay)
   comm = compression.Comm(axis_name) if axis_name is not None else None
   varying = _local.varying_fn(comm)
@@ -351,7 +353,7 @@ def hierarchical_diloco(
             'group_outer_state': group_outer.init(anchor),
             'outer_state': outer.init(anchor),
             'codec_state': _init(compressor, anchor),
-            'group_codec_state': _init(group_compressor, anchor),
+            'group_codec_state': _init(group_scheme, anchor),
             'num_global_syncs': jnp.zeros([], jnp.int32)}
 
   init_fn = _local.periodic_init(HierarchicalDilocoState, inner,
@@ -363,7 +365,7 @@ def hierarchical_diloco(
 
   def sync_step(state, params, local, phase):
     delta, group_codec_state = _group_delta(
-        state, local, compressor=group_compressor, comm=comm,
+        state, local, compressor=group_scheme, comm=comm,
         group_size=group_size, seed=codec_seed)
     updates, group_outer_state = group_outer.update(
         delta, state.group_outer_state, state.group_anchor)

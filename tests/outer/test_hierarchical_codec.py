@@ -77,7 +77,7 @@ def test_error_feedback_recursion(decay):
   # e_{t+1} = decay (delta_t + e_t - Q(delta_t + e_t)), and the group mean
   # is the mean of Q(delta_t + e_t) over the group.
   m, g, shape = 4, 2, (2, 256)
-  compressor = hierarchical._group_compressor('int8', 'ef', decay)
+  compressor = hierarchical.group_compressor('int8', 'ef', decay)
   rng = np.random.default_rng(0)
 
   @jax.jit
