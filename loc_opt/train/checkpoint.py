@@ -417,10 +417,6 @@ _ADDED_WITH_OLD_BEHAVIOUR = {
     'faults.chaos_chips_per_learner': 1,
     'outer.aggregate': 'mean',  # the plain mean; trim and clip unused
     'outer.aggregate_trim': 1, 'outer.aggregate_clip': 1.0,
-    # hierarchical_diloco's group level in fp32 (no group codec)
-    'outer.hierarchical_diloco.group_codec': 'none',
-    'outer.hierarchical_diloco.group_error_feedback': 'none',
-    'outer.hierarchical_diloco.group_ef_decay': 1.0,
 }
 
 # The faults fields only a method with a timeline (Method.step_inputs)

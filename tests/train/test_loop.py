@@ -190,19 +190,6 @@ def test_resume_ignores_fields_the_method_never_reads(data_dir):
       'faults.chaos_chips_per_learner: None -> 2']
 
 
-def test_hierarchical_runs_saved_before_the_group_codec_resume(data_dir):
-  current = tiny_config(data_dir, **{
-      'outer.method': 'hierarchical_diloco'}).to_dict()
-  saved = copy.deepcopy(current)
-  for name in ('group_codec', 'group_codec_kwargs', 'group_error_feedback',
-               'group_ef_decay'):
-    del saved['outer']['hierarchical_diloco'][name]
-  assert ckpt_lib.resume_diffs(saved, current) == []
-  current['outer']['hierarchical_diloco']['group_codec'] = 'int8'
-  assert ckpt_lib.resume_diffs(saved, current) == [
-      "outer.hierarchical_diloco.group_codec: None -> 'int8'"]
-
-
 def _truncate_arrays(step_dir):
   """Cuts every array data file of a checkpoint in half."""
   files = [f for f in (step_dir / 'state').rglob('*')
