@@ -266,6 +266,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.global_period = 2  # H2 / H1: group syncs per global sync.
   s.global_learning_rate = 1.0  # Global outer learning rate (1: merge).
   s.global_momentum = 0.0  # Global outer Nesterov momentum (0: plain SGD).
+  # What crosses workers inside a group: 'none' (fp32) or a name of
+  # loc_opt.compression.make_compressor ('int8', 'fp4_e3m0', 'statistical',
+  # ...); its payloads move by G - 1 shifts inside the group.
+  s.group_codec = 'none'
+  s.group_codec_kwargs = {}  # Its arguments, e.g. {'bits': 2}.
+  # Error feedback of the group codec, per worker: 'none', 'ef', 'ef21' or
+  # 'econtrol' (needs group_codec).
+  s.group_error_feedback = 'none'
+  s.group_ef_decay = 1.0  # 'ef' only: e <- decay * (p - C(p)), in [0, 1].
 
   # Non-finite steps (loc_opt.train.faults): a worker skips an inner step
   # whose loss or gradients are NaN / Inf (zeros them on a step that syncs);

@@ -11,7 +11,7 @@ plays them on a machine with fast links inside a group and slow links
 between groups (``loc_opt.train.hierarchy.two_level_seconds``).
 
   python -m experiments.hierarchical --workdir=/tmp/hierarchical \
-    [--runs=flat_h30,flat_h60,hier_30_60,hier_15_60] \
+    [--runs=flat_h30,flat_h60,hier_30_60,hier_15_60,hier_30_60_int8_stat2] \
     [--slow_gbps=1] [--fast_gbps=100] [--config.num_steps=300]
 
 Each run lives in its own directory under --workdir and resumes from its
@@ -36,7 +36,13 @@ _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
 GROUP_SIZE = 2
-# name -> (label, method, H (= H1), H2 / H1)
+# Codecs of the compressed hierarchical run: int8 inside groups, 2-bit
+# statistical with error feedback between them (MuLoCo's 2-bit setting).
+_CODECS = {'outer__hierarchical_diloco__group_codec': 'int8',
+           'outer__codec': 'statistical',
+           'outer__codec_kwargs': {'bits': 2},
+           'outer__error_feedback': 'ef'}
+# name -> (label, method, H (= H1), H2 / H1[, config overrides])
 RUNS = {
     'flat_h30': ('DiLoCo, H=30', 'diloco', 30, None),
     'flat_h60': ('DiLoCo, H=60', 'diloco', 60, None),
@@ -44,6 +50,9 @@ RUNS = {
                    2),
     'hier_15_60': ('Hierarchical, H1=15, H2=60', 'hierarchical_diloco', 15,
                    4),
+    'hier_30_60_int8_stat2': (
+        'Hierarchical 30/60, int8 in, 2-bit stat. + EF between',
+        'hierarchical_diloco', 30, 2, _CODECS),
 }
 DEFAULT_RUNS = ('flat_h30', 'flat_h60', 'hier_30_60')
 
@@ -100,8 +109,9 @@ def main(argv):
   config = _CONFIG.value
   results = {}
   for name in names:
-    label, method, h, period = RUNS[name]
-    overrides = {'outer__method': method, 'outer__sync_every': h}
+    label, method, h, period, *extra = RUNS[name]
+    overrides = {'outer__method': method, 'outer__sync_every': h,
+                 **(extra[0] if extra else {})}
     if period is not None:
       overrides['outer__hierarchical_diloco__group_size'] = GROUP_SIZE
       overrides['outer__hierarchical_diloco__global_period'] = period

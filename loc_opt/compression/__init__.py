@@ -9,7 +9,10 @@
   :func:`compressed_mean` and the gradient transformation
   :func:`compressed_all_reduce`.
 * :mod:`~loc_opt.compression.comm`: collectives that spread payloads over a
-  worker's devices so each element crosses workers once.
+  worker's devices so each element crosses workers once;
+  :mod:`~loc_opt.compression.group_comm` (:class:`GroupComm`): the same
+  collectives over groups of workers, so any compressor averages inside
+  groups (hierarchical DiLoCo's group level).
 * Codecs: :mod:`~loc_opt.compression.quant` (int8/int4/fp8/fp4/2-bit),
   :mod:`~loc_opt.compression.sparse` (top-k, random-k),
   :mod:`~loc_opt.compression.dct` (chunked DCT for DeMo/SparseLoCo).
@@ -24,9 +27,10 @@
   accepts a name (``codec='int8'``) or ``(name, kwargs)``.
 
 Inside the package, modules import only from the layers below their own:
-the wire formats (``codecs``, ``comm``, ``packing``, ``quant``, ``sparse``,
-``dct``); ``compressor``; ``feedback`` and the compressors (``dgc``,
-``powersgd``, ``terngrad``, ``statistical``, ``lgreco``); ``all_reduce`` and ``registry``.
+the wire formats (``codecs``, ``comm``, ``group_comm``, ``packing``,
+``quant``, ``sparse``, ``dct``); ``compressor``; ``feedback`` and the
+compressors (``dgc``, ``powersgd``, ``terngrad``, ``statistical``,
+``lgreco``); ``all_reduce`` and ``registry``.
 ``loc_opt.parallel`` may import this package, never the reverse.
 """
 
@@ -38,6 +42,8 @@ from loc_opt.compression.codecs import Codec
 from loc_opt.compression.codecs import identity
 from loc_opt.compression.comm import Comm
 from loc_opt.compression.comm import pad_to
+from loc_opt.compression.group_comm import group_shifts
+from loc_opt.compression.group_comm import GroupComm
 from loc_opt.compression.compressor import all_of
 from loc_opt.compression.compressor import Compressor
 from loc_opt.compression.compressor import from_codec

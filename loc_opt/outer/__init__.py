@@ -84,6 +84,7 @@ from loc_opt.outer.edit_diloco import edit_diloco
 from loc_opt.outer.edit_diloco import edit_eval_params
 from loc_opt.outer.edit_diloco import edit_plan
 from loc_opt.outer.edit_diloco import EditState
+from loc_opt.outer.hierarchical import group_codec_mean
 from loc_opt.outer.hierarchical import group_mean
 from loc_opt.outer.hierarchical import hierarchical_diloco
 from loc_opt.outer.hierarchical import hierarchical_eval_params

@@ -9,12 +9,17 @@ of ``H1``) the groups' anchors are averaged too and a *global* outer step
 moves the global anchor, which every worker then starts from. Only the
 global step sends bytes between groups.
 
-The group average is a sum of ``G - 1`` point-to-point shifts inside each
-group (``lax.ppermute``: ``jax.lax.psum`` has no ``axis_index_groups``
-under ``vmap`` or ``shard_map``), so its collectives name only pairs of
-workers of one group, which the compiled program shows. A shift moves the
+The group average is gathered by ``G - 1`` point-to-point shifts inside
+each group (``lax.ppermute``: ``jax.lax.psum`` has no ``axis_index_groups``
+under ``vmap`` or ``shard_map``; see
+:class:`loc_opt.compression.GroupComm`), so its collectives name only pairs
+of workers of one group, which the compiled program shows. A shift moves the
 whole payload: ``(G - 1) n`` bytes per worker against ``2 (G - 1) / G n`` for
-a ring all-reduce, the same for ``G = 2``.
+a ring all-reduce, the same for ``G = 2``. With a ``group_codec`` the shifts
+move the encoded payloads, ``(G - 1)`` codec payloads per worker, and every
+member decodes all of them (its own too) in the members' order, so the
+members of a group hold bit-identical means; optional error feedback keeps
+each worker's residual in ``group_codec_state``.
 
 References:
   Kim, Kim, Lee, Jeon, Kim, *HALoS: Hierarchical Asynchronous Local SGD over
@@ -29,6 +34,7 @@ References:
   Language Models*, 2023.
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -60,6 +66,9 @@ class HierarchicalDilocoState(NamedTuple):
     num_syncs: int32 scalar, syncs of either level.
     num_global_syncs: int32 scalar, global syncs.
     codec_state: the global codec's per-worker state; ``()`` without one.
+    group_codec_state: the group codec's per-worker state (with error
+      feedback, ``ErrorFeedbackState(inner, error)``, ``error`` a float32
+      params tree); ``()`` without one.
   """
 
   inner_state: optax.OptState
@@ -72,35 +81,74 @@ class HierarchicalDilocoState(NamedTuple):
   num_syncs: jax.Array
   num_global_syncs: jax.Array
   codec_state: Any = ()
+  group_codec_state: Any = ()
 
 
-def group_shifts(num_workers: int, group_size: int
-                 ) -> list[list[tuple[int, int]]]:
-  """The ``G - 1`` permutations whose sum with the own value is the group
-  sum: shift ``s`` sends worker ``g G + i`` to worker ``g G + (i + s) % G``.
-  """
-  return [[(g + i, g + (i + s) % group_size)
-           for g in range(0, num_workers, group_size)
-           for i in range(group_size)]
-          for s in range(1, group_size)]
+group_shifts = compression.group_shifts
+
+# Folded into the codec seed's key for the group level's keys, a stream
+# apart from the global level's (which folds the global sync index in).
+GROUP_STREAM = 2**31 - 1
+
+
+def as_group_comm(comm: compression.Comm, group_size: int
+                  ) -> compression.GroupComm:
+  """``comm``'s collectives over groups of ``group_size`` workers."""
+  return compression.GroupComm(axis_name=comm.axis_name,
+                               spread_over=comm.spread_over,
+                               group_size=group_size)
 
 
 def group_mean(tree: Any, comm: compression.Comm | None,
                group_size: int) -> Any:
-  """The mean of ``tree`` over this worker's group (``group_size``
-  consecutive workers), by ``G - 1`` point-to-point shifts."""
+  """The fp32 (or the tree's dtypes) mean of ``tree`` over this worker's
+  group (``group_size`` consecutive workers), by ``G - 1`` point-to-point
+  shifts, summed in the members' order (bit-identical on every member)."""
   if group_size == 1:
     return tree
   if comm is None:
     raise ValueError('a group mean needs an axis_name')
-  m = comm.size()
-  if m % group_size:
-    raise ValueError(f'group_size={group_size} does not divide the '
-                     f'{m} workers')
-  total = tree
-  for perm in group_shifts(m, group_size):
-    total = jax.tree.map(jnp.add, total, comm.ppermute(tree, perm))
-  return jax.tree.map(lambda t: t / group_size, total)
+  return as_group_comm(comm, group_size).pmean(tree)
+
+
+def group_codec_mean(delta: Any, codec_state: Any,
+                     compressor: compression.Compressor,
+                     comm: compression.Comm, group_size: int, seed: int,
+                     index: jax.Array) -> tuple[Any, Any]:
+  """The mean of ``delta`` over this worker's group through
+  ``compressor``: the encoded payloads cross by ``G - 1`` shifts and every
+  member decodes all of them, its own included.
+
+  The key, the same on every worker, is ``fold_in(fold_in(key(seed),
+  GROUP_STREAM), index)``; codecs with ``randomness='per_worker'`` fold in
+  the worker's index on the whole axis, ``'shared'`` ones decode with it.
+
+  Returns:
+    ``(mean, codec_state)``; the mean in ``delta``'s dtypes.
+  """
+  key = jax.random.fold_in(
+      jax.random.fold_in(jax.random.key(seed), GROUP_STREAM), index)
+  group_comm = as_group_comm(comm, group_size)
+  mean, _, codec_state = compressor.mean(delta, codec_state, group_comm, key)
+  mean = jax.tree.map(lambda m, d: m.astype(d.dtype), mean, delta)
+  return mean, comm.varying(codec_state)
+
+
+def group_compressor(group_codec: compression.Scheme,
+                      group_error_feedback: str, group_ef_decay: float
+                      ) -> compression.Compressor | None:
+  """The group level's compressor from :func:`hierarchical_diloco`'s
+  ``group_codec``, ``group_error_feedback`` and ``group_ef_decay``
+  (``None``: the fp32 mean); raises ``ValueError`` for a bad one."""
+  if group_codec is None:
+    if group_error_feedback != 'none':
+      raise ValueError(f'group_error_feedback={group_error_feedback!r} '
+                       'needs a group_codec (the fp32 group mean loses '
+                       'nothing to feed back)')
+    return None
+  return compression.build_compressor(
+      compression.as_compressor(group_codec, field='group_codec'),
+      error_feedback=group_error_feedback, ef_decay=group_ef_decay)
 
 
 def hierarchical_plan(sync_every: int, global_sync_every: int
@@ -135,6 +183,44 @@ def _phase(sync: Any) -> tuple[Any, Any]:
   return bool(sync), sync
 
 
+def _init(compressor: compression.Compressor | None, anchor: Any) -> Any:
+  return () if compressor is None else compressor.init(anchor)
+
+
+def _group_delta(state: HierarchicalDilocoState, local: optax.Params, *,
+                 compressor: compression.Compressor | None,
+                 comm: compression.Comm | None, group_size: int, seed: int
+                 ) -> tuple[Any, Any]:
+  """The group's mean pseudo-gradient (fp32, or through ``compressor``
+  keyed by the sync index) and the new group codec state."""
+  delta = _local.pseudo_gradient(state.group_anchor, local)
+  if compressor is None:
+    return group_mean(delta, comm, group_size), state.group_codec_state
+  return group_codec_mean(delta, state.group_codec_state, compressor, comm,
+                          group_size, seed, state.num_syncs)
+
+
+def _global_step(state: HierarchicalDilocoState, group_anchor: Any, *,
+                 outer: optax.GradientTransformation,
+                 compressor: compression.Compressor | None,
+                 comm: compression.Comm | None, seed: int
+                 ) -> dict[str, Any]:
+  """The global sync's new fields: the groups' anchors merged (mean of
+  ``phi - phi_g`` over every worker, through ``compressor`` if given, with
+  DiLoCo's guard against non-finite workers) and the global outer step."""
+  delta, _, codec_state, _ = _local.guarded_mean(
+      _local.pseudo_gradient(state.anchor, group_anchor),
+      state.codec_state, None, compressor=compressor, comm=comm,
+      seed=seed, index=state.num_global_syncs,
+      mean_fn=_local.identity if comm is None else comm.pmean)
+  updates, outer_state = outer.update(delta, state.outer_state, state.anchor)
+  anchor = optax.apply_updates(state.anchor, updates)
+  return _local.varying_fn(comm)(
+      {'group_anchor': anchor, 'anchor': anchor, 'outer_state': outer_state,
+       'codec_state': codec_state,
+       'num_global_syncs': state.num_global_syncs + 1})
+
+
 def hierarchical_diloco(
     inner: optax.GradientTransformation,
     *,
@@ -147,6 +233,9 @@ def hierarchical_diloco(
     anchor_dtype: Any = jnp.float32,
     codec: compression.Scheme = None,
     codec_seed: int = 0,
+    group_codec: compression.Scheme = None,
+    group_error_feedback: str = 'none',
+    group_ef_decay: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-level DiLoCo over groups of workers.
 
@@ -170,9 +259,21 @@ def hierarchical_diloco(
 
   The global mean is an all-reduce over the whole worker axis (each worker
   of a group sends the same ``phi - phi_g``), through ``codec`` if given;
-  it is the only collective that crosses groups. The group mean is fp32,
-  by ``G - 1`` point-to-point shifts inside each group. The group outer
-  state is kept across global syncs.
+  it is the only collective that crosses groups. The group mean is by
+  ``G - 1`` point-to-point shifts inside each group: of the fp32
+  pseudo-gradients, or, with ``group_codec`` ``C``, of their payloads,
+
+  .. math::
+
+    p_w = \phi_g - \theta'_w + e_w, \quad
+    \Delta_g = \operatorname{mean}_{w \in g} C(p_w), \quad
+    e_w \leftarrow \beta \, (p_w - C(p_w)),
+
+  where ``C(p)`` is ``p`` encoded and decoded, and ``e_w = 0`` without
+  error feedback (``group_error_feedback='ef'``, ``beta =
+  group_ef_decay``). Every member decodes every payload, its own too, and
+  sums them in the members' order: all members hold the same bits. The
+  group outer state is kept across global syncs.
 
   With ``group_size = M`` and ``group_outer = optax.sgd(1.0)`` the group
   step is parameter averaging and the global step at ``H2 = H1`` is
@@ -199,8 +300,20 @@ def hierarchical_diloco(
     axis_name: the worker axis; ``None`` for one worker (``G = 1``).
     anchor_dtype: the minimum precision of both anchors.
     codec: compress the global pseudo-gradients (as :func:`loc_opt.diloco`).
-    codec_seed: seed of the codec's shared key (folded with the global
-      sync index).
+    codec_seed: seed of the codecs' shared keys (folded with the global
+      sync index; for ``group_codec``, with :data:`GROUP_STREAM` and the
+      sync index ``num_syncs``).
+    group_codec: compress the group pseudo-gradients: a codec or compressor
+      of :mod:`loc_opt.compression`, a name (``'int8'``, ``'fp4_e3m0'``,
+      ``'statistical'``) or ``(name, kwargs)``; ``None``: fp32. Per-tensor
+      codecs encode each leaf on its own, padded to their block size.
+      Codecs that need keys (``randomness='per_worker'`` or ``'shared'``)
+      get them as described under ``codec_seed``; ``reduce='two_phase'``
+      codecs are refused when traced (no all-to-all inside groups).
+    group_error_feedback: ``'none'``, ``'ef'`` (classic error feedback, one
+      float32 residual per worker in ``group_codec_state``), ``'ef21'`` or
+      ``'econtrol'``; needs ``group_codec``.
+    group_ef_decay: ``beta`` of ``'ef'``, in ``[0, 1]``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -210,6 +323,10 @@ def hierarchical_diloco(
     >>> tx = loc_opt.outer.hierarchical_diloco(
     ...     optax.adamw(3e-3), sync_every=30, global_sync_every=60,
     ...     group_size=2)
+    >>> tx = loc_opt.outer.hierarchical_diloco(
+    ...     optax.adamw(3e-3), sync_every=30, global_sync_every=60,
+    ...     group_size=2, group_codec='int8', group_error_feedback='ef',
+    ...     codec=('statistical', {'bits': 2}))
 
   References:
     Kim et al., *HALoS: Hierarchical Asynchronous Local SGD over Slow
@@ -217,7 +334,8 @@ def hierarchical_diloco(
   """
   h1, h2 = _check_periods(sync_every, global_sync_every)
   group_size = _checks.positive_int(group_size, 'group_size')
-  if axis_name is None and (group_size > 1 or codec is not None):
+  if axis_name is None and (group_size > 1 or codec is not None
+                            or group_codec is not None):
     raise ValueError('hierarchical_diloco with group_size > 1 or a codec '
                      'needs an axis_name')
   inner = optax.with_extra_args_support(inner)
@@ -225,36 +343,30 @@ def hierarchical_diloco(
       group_outer
   outer = _local.nesterov_outer() if outer is None else outer
   compressor = None if codec is None else compression.as_compressor(codec)
+  group_scheme = group_compressor(group_codec, group_error_feedback,
+                                       group_ef_decay)
   comm = compression.Comm(axis_name) if axis_name is not None else None
   varying = _local.varying_fn(comm)
-  mean_fn = _local.identity if comm is None else comm.pmean
 
   def init_fields(anchor):
     return {'group_anchor': anchor,
             'group_outer_state': group_outer.init(anchor),
             'outer_state': outer.init(anchor),
-            'codec_state': () if compressor is None else compressor.init(
-                anchor),
+            'codec_state': _init(compressor, anchor),
+            'group_codec_state': _init(group_scheme, anchor),
             'num_global_syncs': jnp.zeros([], jnp.int32)}
 
   init_fn = _local.periodic_init(HierarchicalDilocoState, inner,
                                  anchor_dtype, init_fields)
 
-  def global_step(state, group_anchor):
-    delta, _, codec_state, _ = _local.guarded_mean(
-        _local.pseudo_gradient(state.anchor, group_anchor),
-        state.codec_state, None, compressor=compressor, comm=comm,
-        seed=codec_seed, index=state.num_global_syncs, mean_fn=mean_fn)
-    updates, outer_state = outer.update(delta, state.outer_state,
-                                        state.anchor)
-    anchor = optax.apply_updates(state.anchor, updates)
-    return varying({'group_anchor': anchor, 'anchor': anchor,
-                    'outer_state': outer_state, 'codec_state': codec_state,
-                    'num_global_syncs': state.num_global_syncs + 1})
+  global_step = functools.partial(
+      _global_step, outer=outer, compressor=compressor, comm=comm,
+      seed=codec_seed)
 
   def sync_step(state, params, local, phase):
-    delta = group_mean(_local.pseudo_gradient(state.group_anchor, local),
-                       comm, group_size)
+    delta, group_codec_state = _group_delta(
+        state, local, compressor=group_scheme, comm=comm,
+        group_size=group_size, seed=codec_seed)
     updates, group_outer_state = group_outer.update(
         delta, state.group_outer_state, state.group_anchor)
     group_anchor = optax.apply_updates(state.group_anchor, updates)
@@ -271,12 +383,13 @@ def hierarchical_diloco(
       new = jax.lax.cond(due, lambda: global_step(state, group_anchor),
                          lambda: kept)
     new['group_outer_state'] = group_outer_state
+    new['group_codec_state'] = group_codec_state
     return _local.updates_to(new['group_anchor'], params), new
 
   update_fn = _local.periodic_update(
       inner, h1, name='hierarchical_diloco', sync_step=sync_step,
       fields=('group_anchor', 'group_outer_state', 'anchor', 'outer_state',
-              'codec_state', 'num_global_syncs'),
+              'codec_state', 'num_global_syncs', 'group_codec_state'),
       phase=_phase, varying=varying)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -6,7 +6,9 @@ sync every ``outer.sync_every`` steps (H1) with the shared outer optimizer
 (``outer.learning_rate``, ``momentum``, ``nesterov``), and every
 ``global_period x H1`` steps (H2) the groups merge with the global outer
 optimizer (``global_learning_rate``, ``global_momentum``; Nesterov when the
-momentum is positive), through ``outer.codec``.
+momentum is positive), through ``outer.codec``. The group level may
+send its pseudo-gradients through a codec of its own (``group_codec``,
+``group_codec_kwargs``, ``group_error_feedback``, ``group_ef_decay``).
 
 :func:`two_level_seconds` is the wall-clock model of such a machine: fast
 links inside a group, slow ones between groups.
@@ -15,11 +17,14 @@ Reference: Kim et al., *HALoS: Hierarchical Asynchronous Local SGD over Slow
 Networks for Geo-Distributed Large Language Model Training*, 2025.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 import optax
 
+from loc_opt import _checks
+from loc_opt import compression
 from loc_opt import outer as outer_lib
 from loc_opt import parallel
 from loc_opt.train import config as cfg_lib
@@ -55,9 +60,71 @@ def group_size(config: ml_collections.ConfigDict) -> int:
   return g
 
 
+def _group_codec(config: ml_collections.ConfigDict) -> Any:
+  """``group_codec`` (with ``group_codec_kwargs``) as the library's
+  ``group_codec``: ``None`` for ``'none'``, a name, or ``(name, kwargs)``."""
+  s = cfg_lib.section(config, SECTION)
+  field = f'outer.{SECTION}.group_codec'
+  name = s.get('group_codec', 'none')
+  kwargs = cfg_lib.plain(s.get('group_codec_kwargs') or {})
+  if not isinstance(name, str):
+    raise ValueError(f'{field} must be a codec name, got {name!r}')
+  if not isinstance(kwargs, Mapping):
+    raise ValueError(f"{field}_kwargs must be a dict of the codec's "
+                     f'arguments, got {kwargs!r}')
+  if name == 'none':
+    if kwargs:
+      raise ValueError(f'{field}_kwargs={kwargs!r} given, but {field} is '
+                       "'none'")
+    return None
+  return (name, dict(kwargs)) if kwargs else name
+
+
+def library_kwargs(config: ml_collections.ConfigDict
+                   ) -> dict[Any, dict[str, Any]]:
+  """The section's group-codec fields as arguments of
+  :func:`loc_opt.outer.hierarchical_diloco` (absent fields: its
+  defaults)."""
+  s = cfg_lib.section(config, SECTION)
+  kwargs = {'group_codec': _group_codec(config)}
+  for name in ('group_error_feedback', 'group_ef_decay'):
+    if name in s:
+      kwargs[name] = s[name]
+  return {outer_lib.hierarchical_diloco: kwargs}
+
+
+def group_compressor(config: ml_collections.ConfigDict
+                     ) -> compression.Compressor | None:
+  """The group level's compressor (``None``: fp32), each bad field named."""
+  kwargs = library_kwargs(config)[outer_lib.hierarchical_diloco]
+  scheme = kwargs['group_codec']
+  mode = _checks.one_of(kwargs.get('group_error_feedback', 'none'),
+                        f'outer.{SECTION}.group_error_feedback',
+                        compression.FEEDBACK)
+  decay = _checks.in_interval(kwargs.get('group_ef_decay', 1.0),
+                              f'outer.{SECTION}.group_ef_decay', 0, 1)
+  if scheme is None and mode != 'none':
+    raise ValueError(f'outer.{SECTION}.group_error_feedback={mode!r} needs '
+                     f'a group codec (outer.{SECTION}.group_codec)')
+  if decay != 1.0 and mode != 'ef':
+    raise ValueError(f'outer.{SECTION}.group_ef_decay={decay} applies to '
+                     f"group_error_feedback='ef' only, not {mode!r}")
+  name = scheme[0] if isinstance(scheme, tuple) else scheme
+  if name is not None and name not in {**compression.CODECS,
+                                       **compression.COMPRESSORS}:
+    compression.make_compressor(name, field=f'outer.{SECTION}.group_codec')
+  if isinstance(scheme, tuple):
+    cfg_lib.checked(f'outer.{SECTION}.group_codec_kwargs',
+                    lambda: compression.as_compressor(scheme))
+  return cfg_lib.checked(
+      f'outer.{SECTION}.group_error_feedback',
+      outer_lib.hierarchical.group_compressor, scheme, mode, decay)
+
+
 def plan(config: ml_collections.ConfigDict) -> outer_lib.Plan:
   """The run's phases: ``False``, ``'group'``, ``'global'``."""
   group_size(config)
+  group_compressor(config)
   return outer_lib.hierarchical_plan(*periods(config))
 
 
@@ -83,7 +150,8 @@ def build(config: ml_collections.ConfigDict,
       sync_every=h1, global_sync_every=h2, group_size=group_size(config),
       group_outer=cfg_lib.outer_optimizer(config),
       outer=global_outer(config), axis_name=axis_name,
-      codec=cfg_lib.make_compressor(config))
+      codec=cfg_lib.make_compressor(config),
+      group_codec=group_compressor(config))
 
 
 def two_level_seconds(report: parallel.CollectiveReport, group_size: int,

@@ -532,7 +532,7 @@ METHODS: Mapping[str, Method] = {
     'hierarchical_diloco': Method(
         per_worker=True, build=hierarchy.build, plan=hierarchy.plan,
         eval_params=outer_lib.hierarchical_eval_params,
-        section=hierarchy.SECTION,
+        section=hierarchy.SECTION, library_kwargs=hierarchy.library_kwargs,
         # the group anchor and outer state are each group's own
         shared_fields=('anchor', 'outer_state', 'num_global_syncs')
         + _COUNTERS),

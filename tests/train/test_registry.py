@@ -194,6 +194,28 @@ def test_stragglers_stretch_a_synchronous_run():
      'outer.hierarchical_diloco.global_momentum'),
     ('hierarchical_diloco', {'outer.hierarchical_diloco.global_period': 0},
      'outer.hierarchical_diloco.global_period'),
+    ('hierarchical_diloco', {'outer.hierarchical_diloco.group_codec': 'i8'},
+     'outer.hierarchical_diloco.group_codec'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.group_codec': 'int8',
+      'outer.hierarchical_diloco.group_codec_kwargs': {'bitz': 2}},
+     'outer.hierarchical_diloco.group_codec_kwargs'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.group_error_feedback': 'ef'},  # no codec
+     'outer.hierarchical_diloco.group_error_feedback'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.group_codec': 'int8',
+      'outer.hierarchical_diloco.group_error_feedback': 'eff'},
+     'outer.hierarchical_diloco.group_error_feedback'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.group_codec': 'int8',
+      'outer.hierarchical_diloco.group_error_feedback': 'ef',
+      'outer.hierarchical_diloco.group_ef_decay': 1.5},
+     'outer.hierarchical_diloco.group_ef_decay'),
+    ('hierarchical_diloco',
+     {'outer.hierarchical_diloco.group_codec': 'powersgd',
+      'outer.hierarchical_diloco.group_error_feedback': 'ef'},
+     'outer.hierarchical_diloco.group_error_feedback'),
     ('diloco', {'outer.aggregate': 'mode'}, 'outer.aggregate'),
     ('noloco', {'outer.aggregate': 'median'}, 'outer.aggregate'),
     ('diloco', {'outer.aggregate': 'median', 'outer.codec': 'int8'},
@@ -230,6 +252,22 @@ def test_aggregate_defaults_are_the_library_defaults(data_dir):
   for fn in (outer.diloco, outer.local_sgd, outer.streaming_diloco):
     for arg, value in kwargs.items():
       assert value == registry.library_default(fn, arg), (fn, arg)
+
+
+def test_hierarchical_group_codec_from_the_config(data_dir):
+  config = _config(data_dir, 'hierarchical_diloco', **{
+      'outer.hierarchical_diloco.group_codec': 'statistical',
+      'outer.hierarchical_diloco.group_codec_kwargs': {'bits': 2},
+      'outer.hierarchical_diloco.group_error_feedback': 'ef',
+      'outer.hierarchical_diloco.group_ef_decay': 0.9})
+  train.validate_config(config, 8)
+  tx = registry.get_method('hierarchical_diloco').build(
+      config, cfg_lib.make_inner(config), 'worker')
+  params = {'w': np.ones((3, 2), np.float32)}
+  state = tx.init(params)
+  # error feedback: one float32 residual per leaf, zero at the start
+  np.testing.assert_array_equal(state.group_codec_state.error['w'],
+                                np.zeros((3, 2), np.float32))
 
 
 def test_robust_aggregate_builds_a_gathering_diloco(data_dir):
