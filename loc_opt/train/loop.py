@@ -266,9 +266,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     ckpt_lib.check_branch(init_from.workdir, init_from.step, config_json)
   else:
     ckpt_lib.check_resume(workdir, config_json)
+  # The data first: a missing dataset fails before anything compiles.
+  data = exp_lib.load_data(config)
+  t0 = time.perf_counter()
   exp = exp_lib.get_experiment(config)
   compile_s = time.perf_counter() - t0
-  data = exp_lib.load_data(config)
   progress = metrics_lib.Progress(config.num_steps, every=config.log_every,
                                   enabled=config.progress and
                                   hosts.is_writer())

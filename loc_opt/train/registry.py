@@ -197,6 +197,13 @@ def decoupled_timeline(config) -> outer_lib.Timeline:
   the chaos model's (seeded with ``seed``). A pure function of the config,
   so a resumed run rebuilds the same timeline."""
   s, m = faults.settings(config), config.mesh.workers
+  num_fragments = int(_required(config, 'decoupled_diloco', 'num_fragments'))
+  if _h(config) // max(num_fragments, 1) > config.num_steps:
+    raise ValueError(
+        f'outer.sync_every={_h(config)} with outer.decoupled_diloco.'
+        f'num_fragments={num_fragments} opens no fragment window in '
+        f'num_steps={config.num_steps}: outer.method=\'decoupled_diloco\' '
+        'would never merge; lower outer.sync_every or raise num_steps')
   trace = list(s['failures'])
   if s['chaos_mtbf_steps']:
     trace += cfg_lib.checked(
@@ -207,8 +214,7 @@ def decoupled_timeline(config) -> outer_lib.Timeline:
   tx_kwargs = _kwargs('decoupled_diloco', outer_lib.decoupled_diloco, config)
   args = dict(
       num_steps=config.num_steps, num_learners=m, sync_every=_h(config),
-      num_fragments=int(_required(config, 'decoupled_diloco',
-                                  'num_fragments')),
+      num_fragments=num_fragments,
       speeds=list(simulated_time.worker_speeds(config)),
       failures=[list(f) for f in trace],
       peer_rejoin=tx_kwargs.get('rejoin_state') == 'peer', seed=config.seed,

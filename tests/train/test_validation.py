@@ -86,7 +86,7 @@ _BAD = [
      'outer.sync_every')
     for method in ('diloco', 'local_sgd', 'streaming_diloco', 'eager_diloco',
                    'noloco', 'sparseloco', 'desloc', 'edit_diloco', 'co2',
-                   'async_local_sgd')
+                   'async_local_sgd', 'decoupled_diloco', 'hierarchical_diloco')
 ]
 
 
