@@ -25,6 +25,7 @@ import optax
 from loc_opt import _checks
 from loc_opt import compression
 from loc_opt.outer import _local
+from loc_opt.outer import _sharded
 from loc_opt.outer import plan as plan_lib
 from loc_opt.outer import robust
 from loc_opt.outer.plan import sync_period
@@ -85,6 +86,7 @@ def diloco(
     aggregate: str = 'mean',
     trim: int = 1,
     clip_multiple: float = 1.0,
+    outer_state_layout: str = 'replicated',
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
 
@@ -136,6 +138,22 @@ def diloco(
   all-reduce, through the codec if any). Absent and non-finite workers are
   left out of every rule.
 
+  Outer state layout: by default (``'replicated'``) every worker holds the
+  whole anchor and outer-optimizer state. ``outer_state_layout='sharded'``
+  keeps on each worker only its 1/M of every anchor leaf (flattened,
+  zero-padded to a multiple of M) and the outer state over it, as ZeRO
+  stage 1 partitions optimizer state (Rajbhandari et al., 2020): the sync
+  becomes a reduce-scatter of the local parameters, the outer step on the
+  shard and an all-gather of the new anchor, the two halves of the
+  all-reduce it replaces (see :mod:`loc_opt.outer._sharded`). The state's
+  ``anchor`` then holds 1-D shards, so ``init`` must run under the worker
+  map too (``loc_opt.parallel.vmap_workers(tx.init)``) and evaluation
+  weights come from ``diloco_eval_params(..., outer_state_layout=
+  'sharded')`` under it. Worker dropout (``present``) and the non-finite
+  guard work as above (a 4-byte count is all-reduced at every sync);
+  ``codec``, ``reduce_fn`` and robust rules are refused. Exact, up to
+  float rounding, for element-wise outer optimizers.
+
   Args:
     inner: the inner optimizer (e.g. ``optax.adamw(...)``); may take extra
       args.
@@ -166,6 +184,8 @@ def diloco(
       (the worker count must exceed ``2 trim``).
     clip_multiple: ``'norm_clipped_mean'``: the clip bound as a multiple of
       the median of the workers' pseudo-gradient norms.
+    outer_state_layout: ``'replicated'`` (default) or ``'sharded'`` (each
+      worker holds 1/M of the anchor and outer state; see above).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -180,9 +200,15 @@ def diloco(
     Douillard et al., *DiLoCo: Distributed Low-Communication Training of
     Language Models*, 2023. Yin et al., *Byzantine-Robust Distributed
     Learning: Towards Optimal Statistical Rates*, 2018 (median, trimmed
-    mean).
+    mean). Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
+    Trillion Parameter Models*, 2020 (the sharded layout).
   """
   _check_sync_every(sync_every)
+  if _sharded.check_layout(outer_state_layout) == 'sharded':
+    return _sharded_diloco(inner, sync_every=sync_every, outer=outer,
+                           axis_name=axis_name, anchor_dtype=anchor_dtype,
+                           reduce_fn=reduce_fn, codec=codec,
+                           aggregate=aggregate)
   inner = optax.with_extra_args_support(inner)
   outer = _local.nesterov_outer() if outer is None else outer
   if codec is not None and reduce_fn is not None:
@@ -231,6 +257,55 @@ def diloco(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _sharded_diloco(inner, *, sync_every, outer, axis_name, anchor_dtype,
+                    reduce_fn, codec, aggregate
+                    ) -> optax.GradientTransformationExtraArgs:
+  """:func:`diloco` with ``outer_state_layout='sharded'``."""
+  refused = {'a codec': codec is not None,
+             'a reduce_fn': reduce_fn is not None,
+             f'aggregate={aggregate!r}': aggregate != 'mean',
+             'axis_name=None': axis_name is None}
+  for what, bad in refused.items():
+    if bad:
+      raise ValueError(f"diloco(outer_state_layout='sharded') does not take "
+                       f'{what} (the sync is a reduce-scatter of the plain '
+                       'mean); use the replicated layout')
+  inner = optax.with_extra_args_support(inner)
+  outer = _local.nesterov_outer() if outer is None else outer
+  who = "loc_opt.diloco(outer_state_layout='sharded')"
+
+  def init_fn(params):
+    axis = _checks.axis_bound(axis_name, who)
+    anchor = _sharded.shard_tree(_local.init_anchor(params, anchor_dtype),
+                                 axis)
+    return DilocoState(inner_state=inner.init(params), anchor=anchor,
+                       outer_state=outer.init(anchor), codec_state=(),
+                       left_out=jnp.zeros([], jnp.int32),
+                       **_local.zero_counters())
+
+  def sync_step(state, params, local, _, present):
+    axis = _checks.axis_bound(axis_name, who)
+    included = _local.all_finite(local)
+    if present is not None:
+      included = jnp.logical_and(present, included)
+    delta = _sharded.scatter_delta(state.anchor, local, included, axis)
+    outer_updates, outer_state = outer.update(
+        delta, state.outer_state, state.anchor)
+    anchor = optax.apply_updates(state.anchor, outer_updates)
+    full = _sharded.gather_tree(anchor, local, axis)
+    left_out = state.left_out + jnp.logical_not(included).astype(jnp.int32)
+    return _local.updates_to(full, params), dict(
+        anchor=anchor, outer_state=outer_state, codec_state=(),
+        left_out=left_out)
+
+  update_fn = _local.periodic_update(
+      inner, sync_every, name='diloco', sync_step=sync_step,
+      fields=('anchor', 'outer_state', 'codec_state', 'left_out'),
+      varying=_local.varying_fn(compression.Comm(axis_name)),
+      period=sync_period, takes_present=True)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def local_sgd(
     inner: optax.GradientTransformation,
     *,
@@ -270,12 +345,20 @@ def local_sgd(
   )
 
 
-def diloco_eval_params(state: DilocoState, params: optax.Params) -> Any:
+def diloco_eval_params(state: DilocoState, params: optax.Params, *,
+                       outer_state_layout: str = 'replicated',
+                       axis_name: str = 'worker') -> Any:
   """The weights to evaluate: the outer parameters (anchor) in params dtypes.
 
   Between syncs the workers' local parameters drift apart; the anchor is the
   one shared model (Streaming DiLoCo, Table 3, finds it evaluates best).
+  With ``outer_state_layout='sharded'`` the anchor's shards are all-gathered
+  over ``axis_name`` (call it under the worker map).
   """
+  if _sharded.check_layout(outer_state_layout) == 'sharded':
+    axis = _checks.axis_bound(axis_name, 'loc_opt.diloco_eval_params')
+    return _local.cast_like(
+        _sharded.gather_tree(state.anchor, params, axis), params)
   return _local.cast_like(state.anchor, params)
 
 
