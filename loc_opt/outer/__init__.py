@@ -28,6 +28,7 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
 
 from loc_opt.outer._local import nesterov_outer
 from loc_opt.outer._local import pseudo_gradient_bytes
+from loc_opt.outer._sharded import state_bytes as outer_state_bytes
 from loc_opt.outer.async_local_sgd import async_eval_params
 from loc_opt.outer.async_local_sgd import async_events
 from loc_opt.outer.async_local_sgd import async_local_sgd

@@ -1,10 +1,14 @@
 r"""Outer state sharded over the workers: each holds 1/M of the anchor.
 
 With ``diloco(..., outer_state_layout='sharded')`` every worker keeps, of
-each anchor leaf flattened and zero-padded to a multiple of the worker
-count ``M``, only its own contiguous 1/M (worker ``i`` holds elements
-``[i s, (i + 1) s)``, ``s = ceil(n / M)``), and the outer optimizer's
-state over that shard. The sync then is
+each anchor leaf zero-padded on its leading axis to a multiple of the
+worker count ``M``, only its own rows, strided (worker ``i`` holds rows
+``i, i + M, i + 2M, ...``: ``ceil(rows / M)`` of them; a scalar is one
+row), and the outer optimizer's state over that shard. Strided rows keep
+the leaf's other axes and every device's block of rows when a worker
+shards the parameter inside it (FSDP, tensor): each device reduce-scatters
+its own block over the workers and nothing moves inside a worker, where a
+flattened or contiguous split would first gather the leaf in the worker. The sync then is
 
 .. math::
 
@@ -51,36 +55,50 @@ def check_layout(layout: str) -> str:
 
 
 def shard_size(size: int, num_workers: int) -> int:
-  """Elements of one worker's shard of a leaf of ``size`` elements."""
+  """Rows of one worker's shard of a leading axis of ``size`` rows."""
   return -(-int(size) // int(num_workers))
 
 
-def _padded(x: jax.Array, num_workers: int) -> jax.Array:
-  """``x`` flattened and zero-padded to a multiple of ``num_workers``."""
-  flat = jnp.ravel(x)
-  pad = shard_size(flat.size, num_workers) * num_workers - flat.size
-  return jnp.pad(flat, (0, pad)) if pad else flat
+def shard_shape(shape: tuple[int, ...], num_workers: int
+                ) -> tuple[int, ...]:
+  """The shape of one worker's shard of a leaf of ``shape`` (a scalar is
+  one row)."""
+  shape = tuple(shape) or (1,)
+  return (shard_size(shape[0], num_workers), *shape[1:])
+
+
+def _grouped(x: jax.Array, num_workers: int) -> jax.Array:
+  """``x`` (a scalar as one row), its rows zero-padded to a multiple of
+  ``num_workers`` and grouped: shape ``(rows / M, M, *rest)``, so that
+  ``[:, i]`` is worker ``i``'s rows ``i, i + M, ...``."""
+  x = jnp.reshape(x, (1,)) if x.ndim == 0 else x
+  pad = shard_size(x.shape[0], num_workers) * num_workers - x.shape[0]
+  if pad:
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+  return x.reshape(x.shape[0] // num_workers, num_workers, *x.shape[1:])
 
 
 def shard_tree(tree: Any, axis_name: str) -> Any:
-  """This worker's shard of every leaf of ``tree`` (1-D, ``ceil(n/M)``)."""
+  """This worker's rows of every leaf of ``tree`` (see
+  :func:`shard_shape`)."""
   m = jax.lax.axis_size(axis_name)
   index = jax.lax.axis_index(axis_name)
 
   def one(x):
-    rows = _padded(x, m).reshape(m, -1)
-    return jax.lax.dynamic_index_in_dim(rows, index, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(_grouped(x, m), index, axis=1,
+                                        keepdims=False)
 
   return jax.tree.map(one, tree)
 
 
 def gather_tree(shards: Any, like: Any, axis_name: str) -> Any:
-  """The full leaves (shapes of ``like``) from every worker's shard: one
-  tiled all-gather per leaf, the padding dropped."""
+  """The full leaves (shapes of ``like``) from every worker's rows: one
+  all-gather per leaf, the padding dropped."""
 
   def one(s, x):
-    full = jax.lax.all_gather(s, axis_name, tiled=True)
-    return full[:x.size].reshape(x.shape)
+    full = jax.lax.all_gather(s, axis_name, axis=1)
+    full = full.reshape(-1, *full.shape[2:])
+    return full[:x.shape[0] if x.ndim else 1].reshape(x.shape)
 
   return jax.tree.map(one, shards, like)
 
@@ -89,53 +107,77 @@ def scatter_delta(anchor: Any, local: Any, included: jax.Array,
                   axis_name: str) -> Any:
   """This worker's shard of the pseudo-gradient mean over the workers
   where ``included`` holds: ``phi_i - sum_i(theta') / count`` (zero when no
-  worker is included), by a tiled reduce-scatter of the local parameters
-  in the anchor's dtypes and a scalar all-reduce of the count."""
+  worker is included), by a reduce-scatter of the local parameters in the
+  anchor's dtypes and a scalar all-reduce of the count."""
   m = jax.lax.axis_size(axis_name)
   count = jax.lax.psum(included.astype(jnp.float32), axis_name)
   scale = jnp.where(count > 0, 1 / jnp.maximum(count, 1.), 0.)
 
   def one(a, x):
     x = jnp.where(included, x.astype(a.dtype), jnp.zeros((), a.dtype))
-    total = jax.lax.psum_scatter(_padded(x, m), axis_name, tiled=True)
+    total = jax.lax.psum_scatter(_grouped(x, m), axis_name,
+                                 scatter_dimension=1)
     return jnp.where(count > 0, a - (total * scale).astype(a.dtype),
                      jnp.zeros_like(a))
 
   return jax.tree.map(one, anchor, local)
 
 
+def _leaf_bytes(param: Any, layout: str, num_workers: int,
+                anchor_dtype: Any, outer: optax.GradientTransformation
+                ) -> int:
+  """Bytes of the anchor and outer state of one parameter leaf."""
+
+  def build(p):
+    anchor = _local.init_anchor(p, anchor_dtype)
+    if layout == 'sharded':
+      anchor = jnp.zeros(shard_shape(anchor.shape, num_workers),
+                         anchor.dtype)
+    return anchor, outer.init(anchor)
+
+  return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(jax.eval_shape(build, param)))
+
+
 def state_bytes(params: Any, num_workers: int, *, layout: str,
-                anchor_dtype: Any = jnp.float32,
+                divisors: Any = None, anchor_dtype: Any = jnp.float32,
                 outer: optax.GradientTransformation | None = None) -> int:
-  """Bytes of DiLoCo's anchor and outer-optimizer state on one worker.
+  """Bytes of DiLoCo's anchor and outer-optimizer state on one device.
 
   Derived from shapes (``jax.eval_shape``), not from a compiler's memory
-  analysis: ``replicated`` holds the whole anchor and outer state,
-  ``sharded`` the padded ``1/M`` of each leaf (see :func:`shard_tree`).
-  Within a worker the state is further divided over any devices it is
-  sharded on; this is the per-worker figure.
+  analysis: ``'replicated'`` holds the whole anchor and outer state on
+  every worker, ``'sharded'`` the padded ``1/M`` of each leaf (see
+  :func:`shard_tree`; ZeRO stage 1, Rajbhandari et al., 2020). Within a
+  worker each leaf's state is divided over ``divisors`` devices (e.g. the
+  FSDP / tensor devices its parameter is sharded over, for the replicated
+  layout; the sharded layout's shards are replicated within a worker
+  unless the loop shards them). Scalar optimizer leaves (counts) are
+  counted once per parameter leaf, a few bytes over.
 
   Args:
     params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
     num_workers: the worker count ``M``.
     layout: ``'replicated'`` or ``'sharded'``.
+    divisors: per parameter leaf, the devices of a worker its state is
+      divided over (a tree like ``params``, or one int); default 1.
     anchor_dtype: the anchor's minimum precision (as ``diloco``).
     outer: the outer optimizer (default: Nesterov SGD).
 
   Returns:
-    Bytes per worker.
+    Bytes per device (rounded up).
+
+  Example:
+    >>> state_bytes({'w': jnp.zeros((64, 32))}, 4, layout='sharded')
+    4096
   """
   check_layout(layout)
   outer = _local.nesterov_outer() if outer is None else outer
-
-  def anchor_of(p):
-    anchor = _local.init_anchor(p, anchor_dtype)
-    if layout == 'sharded':
-      anchor = jax.tree.map(
-          lambda a: jnp.zeros((shard_size(a.size, num_workers),), a.dtype),
-          anchor)
-    return anchor, outer.init(anchor)
-
-  shapes = jax.eval_shape(anchor_of, params)
-  return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(shapes))
+  leaves = jax.tree.leaves(params)
+  divisors = 1 if divisors is None else divisors
+  if isinstance(divisors, int):
+    divisors = [divisors] * len(leaves)
+  else:
+    divisors = jax.tree.leaves(divisors)
+  total = sum(_leaf_bytes(p, layout, num_workers, anchor_dtype, outer) / d
+              for p, d in zip(leaves, divisors, strict=True))
+  return int(-(-total // 1))

@@ -140,13 +140,13 @@ def diloco(
 
   Outer state layout: by default (``'replicated'``) every worker holds the
   whole anchor and outer-optimizer state. ``outer_state_layout='sharded'``
-  keeps on each worker only its 1/M of every anchor leaf (flattened,
-  zero-padded to a multiple of M) and the outer state over it, as ZeRO
+  keeps on each worker only its 1/M of every anchor leaf (its rows,
+  the leading axis zero-padded to a multiple of M) and the outer state over it, as ZeRO
   stage 1 partitions optimizer state (Rajbhandari et al., 2020): the sync
   becomes a reduce-scatter of the local parameters, the outer step on the
   shard and an all-gather of the new anchor, the two halves of the
   all-reduce it replaces (see :mod:`loc_opt.outer._sharded`). The state's
-  ``anchor`` then holds 1-D shards, so ``init`` must run under the worker
+  ``anchor`` then holds the shards, so ``init`` must run under the worker
   map too (``loc_opt.parallel.vmap_workers(tx.init)``) and evaluation
   weights come from ``diloco_eval_params(..., outer_state_layout=
   'sharded')`` under it. Worker dropout (``present``) and the non-finite
@@ -318,6 +318,7 @@ def local_sgd(
     aggregate: str = 'mean',
     trim: int = 1,
     clip_multiple: float = 1.0,
+    outer_state_layout: str = 'replicated',
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
 
@@ -342,6 +343,7 @@ def local_sgd(
       aggregate=aggregate,
       trim=trim,
       clip_multiple=clip_multiple,
+      outer_state_layout=outer_state_layout,
   )
 
 

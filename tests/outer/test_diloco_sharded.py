@@ -23,9 +23,12 @@ def make(layout, **kwargs):
                         outer_state_layout=layout, **kwargs)
 
 
-def train(tx, steps, runner=parallel.vmap_workers, present=None):
-  """Trains M workers of the 4 -> 3 model (``w`` 12 and ``b`` 3 elements:
-  ``b`` pads to 4); returns (stacked params, state, eval params)."""
+def train(layout, steps, runner=parallel.vmap_workers, present=None,
+          tx=None):
+  """Trains M workers of the 4 -> 3 model (``w`` 4 x 3 and ``b`` 3: ``b``
+  pads to 4 rows) with ``tx`` (default ``make(layout)``); returns
+  (stacked params, state, eval params)."""
+  tx = make(layout) if tx is None else tx
 
   def step(params, state, batch, present):
     grads = jax.grad(helpers.quad_loss)(params, batch)
@@ -33,8 +36,6 @@ def train(tx, steps, runner=parallel.vmap_workers, present=None):
     return optax.apply_updates(params, updates), state
 
   def evaluate(state, params):
-    layout = 'sharded' if state.anchor['b'].ndim == 1 and (
-        state.anchor['b'].shape != params['b'].shape) else 'replicated'
     return loc_opt.diloco_eval_params(state, params,
                                       outer_state_layout=layout)
 
@@ -49,26 +50,26 @@ def train(tx, steps, runner=parallel.vmap_workers, present=None):
 
 
 def test_state_holds_one_shard_per_worker():
-  _, state, _ = train(make('sharded'), 0)
-  assert state.anchor['w'].shape == (M, 3)  # 12 / 4
-  assert state.anchor['b'].shape == (M, 1)  # 3 padded to 4
-  assert state.outer_state[0].trace['w'].shape == (M, 3)
-  # The shards, in order, are the flattened parameters.
+  _, state, _ = train('sharded', 0)
+  assert state.anchor['w'].shape == (M, 1, 3)  # 4 rows / 4
+  assert state.anchor['b'].shape == (M, 1)  # 3 rows padded to 4
+  assert state.outer_state[0].trace['w'].shape == (M, 1, 3)
+  # The shards, in order, are the parameters' rows.
   np.testing.assert_array_equal(
-      state.anchor['w'].reshape(-1), conf.example_params()['w'].reshape(-1))
+      state.anchor['w'].reshape(4, 3), conf.example_params()['w'])
 
 
 @pytest.mark.parametrize('runner', ['vmap', 'shard_map'])
 def test_equals_replicated_over_several_syncs(runner):
   runner = (parallel.vmap_workers if runner == 'vmap' else functools.partial(
       parallel.shard_map_workers, mesh=helpers.worker_mesh()))
-  got, state, got_eval = train(make('sharded'), 10, runner)
-  want, want_state, want_eval = train(make('replicated'), 10, runner)
+  got, state, got_eval = train('sharded', 10, runner)
+  want, want_state, want_eval = train('replicated', 10, runner)
   assert int(state.num_syncs[0]) == 3
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   conf.assert_trees_close(got_eval, want_eval, rtol=1e-5, atol=1e-6)
   # The Nesterov momentum shards are the replicated momentum's pieces.
-  trace = want_state.outer_state[0].trace['w'][0].reshape(M, -1)
+  trace = want_state.outer_state[0].trace['w'][0].reshape(M, 1, 3)
   np.testing.assert_allclose(state.outer_state[0].trace['w'], trace,
                              rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(trace).max()) > 1e-3  # momentum is not zero
@@ -76,8 +77,8 @@ def test_equals_replicated_over_several_syncs(runner):
 
 def test_dropout_equals_replicated():
   present = jnp.asarray([True, False, True, True])
-  got, state, _ = train(make('sharded'), 6, present=present)
-  want, want_state, _ = train(make('replicated'), 6, present=present)
+  got, state, _ = train('sharded', 6, present=present)
+  want, want_state, _ = train('replicated', 6, present=present)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(state.left_out, want_state.left_out)
   np.testing.assert_array_equal(state.left_out, [0, 2, 0, 0])
@@ -133,8 +134,8 @@ def test_sync_is_reduce_scatter_and_all_gather():
 
 
 def test_refuses_what_it_cannot_shard():
-  for kwargs in (dict(codec='int8'), dict(aggregate='median'),
-                 dict(axis_name=None), dict(reduce_fn=lambda t: t)):
+  for kwargs in ({'codec': 'int8'}, {'aggregate': 'median'},
+                 {'axis_name': None}, {'reduce_fn': lambda t: t}):
     with pytest.raises(ValueError, match='sharded'):
       make('sharded', **kwargs)
   with pytest.raises(ValueError, match='outer_state_layout'):
@@ -148,10 +149,24 @@ def test_state_bytes():
   replicated = _sharded.state_bytes(params, M, layout='replicated')
   sharded = _sharded.state_bytes(params, M, layout='sharded')
   assert replicated == 2 * (64 * 32 + 30) * 4  # anchor + momentum
-  assert sharded == 2 * (64 * 32 // M + 8) * 4
+  assert sharded == 2 * (64 // M * 32 + 8) * 4
   # Agrees with the state init builds.
   tx = make('sharded')
   state = jax.eval_shape(parallel.vmap_workers(tx.init), helpers.stack(params))
   built = sum(x.size * x.dtype.itemsize
               for x in jax.tree.leaves((state.anchor, state.outer_state)))
   assert built == M * sharded
+  # Within a worker: divided like the parameters (replicated layout).
+  split = loc_opt.outer.outer_state_bytes(
+      params, M, layout='replicated', divisors={'w': 2, 'b': 1})
+  assert split == 2 * (64 * 32 // 2 + 30) * 4
+
+
+def test_local_sgd_sharded_equals_replicated():
+  def tx(layout):
+    return loc_opt.local_sgd(optax.sgd(0.1), sync_every=2,
+                             outer_state_layout=layout)
+
+  got, _, _ = train('sharded', 4, tx=tx('sharded'))
+  want, _, _ = train('replicated', 4, tx=tx('replicated'))
+  conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,127 @@
+r"""Per-device memory of DiLoCo's outer state: replicated vs sharded layout.
+
+For a config's model (abstract parameters, nothing materialized) and mesh,
+prints one Markdown row per layout of ``diloco(...,
+outer_state_layout=...)``: the anchor + Nesterov momentum bytes per device
+derived from shapes (``loc_opt.outer.outer_state_bytes``): each leaf's
+state divided like its parameter over the worker's FSDP / tensor devices
+(the sharded layout's rows/M shards take the parameter's spec too), and
+undivided inside the worker (every device of a worker holds its copy);
+with ``--compile``, the compiled sync step of the transform alone (inner
+AdamW, gradients fed in) on the config's mesh, those shardings as its
+``in_shardings``: its per-device argument bytes from ``memory_analysis()``
+(params, gradients, inner and outer state) and its cross-worker
+collectives, bytes per device by kind.
+
+  python -m experiments.outer_state_memory --config=configs/diloco_lm.py \
+    --compile
+  python -m experiments.outer_state_memory --config=configs/scale_lm.py:1b \
+    --compile
+
+On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
+devices. Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models*, 2020.
+"""
+
+import math
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_COMPILE = flags.DEFINE_bool('compile', False,
+                             'Also compile the sync step of each layout.')
+
+HEADER = ('| layout | outer state MiB/dev | MiB/dev if not split in worker '
+          '| compiled args MiB/dev | sync collectives (bytes/dev) |')
+
+
+def _compiled(config, layout, abstract, specs, mesh):
+  """(argument bytes per device, collectives by kind) of the sync step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import loc_opt  # pylint: disable=g-import-not-at-top
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.outer import _sharded  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import state as state_lib  # pylint: disable=g-import-not-at-top
+  tx = loc_opt.diloco(optax.adamw(1e-3), sync_every=config.outer.sync_every,
+                      outer_state_layout=layout)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (config.mesh.workers, *x.shape), x.dtype), abstract)
+  opt = jax.eval_shape(parallel.vmap_workers(lambda p: (tx.init(p),)),
+                       params)[0]
+  shard = state_lib.state_shardings(
+      {'params': params, 'opt_state': opt}, specs, mesh, True)
+  # The outer state's shards (rows/M) take their parameter's spec too.
+  rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[0], *_sharded.shard_shape(x.shape[1:], x.shape[0])),
+      x.dtype), params)
+  by_rows = state_lib.state_shardings(
+      {'params': rows, 'opt_state': opt}, specs, mesh, True)['opt_state']
+  worker_only = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+  shard['opt_state'] = jax.tree.map(
+      lambda full, row: row if full == worker_only else full,
+      shard['opt_state'], by_rows)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params, sync=True)
+    return optax.apply_updates(params, updates), state
+
+  fn = jax.jit(parallel.shard_map_workers(step, mesh),
+               in_shardings=(shard['params'], shard['opt_state'],
+                             shard['params']))
+  compiled = fn.lower(params, opt, params).compile()
+  report = parallel.collective_bytes(compiled, mesh)
+  devices = math.prod(mesh.shape.values())
+  kinds = {k: v // devices for k, v in report.by_kind(True).items()}
+  return compiled.memory_analysis().argument_size_in_bytes, kinds
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import (
+    models,  # pylint: disable=g-import-not-at-top
+    outer,  # pylint: disable=g-import-not-at-top
+    parallel,  # pylint: disable=g-import-not-at-top
+  )
+  config = _CONFIG.value
+  m = config.mesh
+  model = models.build_model(config.model)
+  abstract = jax.eval_shape(model.init, jax.random.key(0))
+  names = ('worker', 'data', 'fsdp', 'tensor')
+  specs = models.resolve_specs(model.specs, names)
+  sizes = dict(zip(names, (m.workers, m.data, m.fsdp, m.tensor)))
+
+  def divisor(spec):
+    axes = [a for entry in spec if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))]
+    return math.prod(sizes[a] for a in axes)
+
+  divisors = jax.tree.map(divisor, specs, is_leaf=lambda x: isinstance(
+      x, jax.P))
+  mib = lambda b: f'{b / 2**20:,.1f}'
+  print(f'# {model.num_params / 1e6:,.1f}M parameters, mesh (w x d x f x t) '
+        f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}\n{HEADER}\n'
+        + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
+  for layout in ('replicated', 'sharded'):
+    here = outer.outer_state_bytes(abstract, m.workers, layout=layout,
+                                   divisors=divisors)
+    unsplit = outer.outer_state_bytes(abstract, m.workers, layout=layout)
+    args, kinds = '-', '-'
+    if _COMPILE.value:
+      mesh = parallel.make_worker_mesh(m.workers, m.data, m.fsdp, m.tensor)
+      nbytes, kinds = _compiled(config, layout, abstract, specs, mesh)
+      args = mib(nbytes)
+    print(f'| {layout} | {mib(here)} | {mib(unsplit)} | {args} | {kinds} |',
+          flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)
