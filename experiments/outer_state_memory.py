@@ -1,8 +1,10 @@
-r"""Per-device memory of DiLoCo's outer state: replicated vs sharded layout.
+r"""Per-device memory of DiLoCo's outer state: replicated, sharded, offloaded.
 
 For a config's model (abstract parameters, nothing materialized) and mesh,
-prints one Markdown row per layout of ``diloco(...,
-outer_state_layout=...)``: the anchor + Nesterov momentum bytes per device
+prints one Markdown row per layout: ``diloco(...,
+outer_state_layout='replicated' | 'sharded')``, and ``'offloaded'``, the
+replicated layout with the anchor and outer state in pinned host memory
+between steps (``loc_opt.parallel.offloaded``; 0 device bytes at rest): the anchor + Nesterov momentum bytes per device
 derived from shapes (``loc_opt.outer.outer_state_bytes``): each leaf's
 state divided like its parameter over the worker's FSDP / tensor devices
 (the sharded layout's rows/M shards take the parameter's spec too), and
@@ -39,24 +41,16 @@ HEADER = ('| layout | outer state MiB/dev | MiB/dev if not split in worker '
           '| compiled args MiB/dev | sync collectives (bytes/dev) |')
 
 
-def _compiled(config, layout, abstract, specs, mesh):
-  """(argument bytes per device, collectives by kind) of the sync step."""
+def _state_shardings(params, opt, specs, mesh):
+  """Shardings of the stacked params and DiLoCo state: each leaf like its
+  parameter inside a worker, the sharded layout's rows/M shards too."""
   import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
 
-  import loc_opt  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
   from loc_opt.outer import _sharded  # pylint: disable=g-import-not-at-top
   from loc_opt.train import state as state_lib  # pylint: disable=g-import-not-at-top
-  tx = loc_opt.diloco(optax.adamw(1e-3), sync_every=config.outer.sync_every,
-                      outer_state_layout=layout)
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (config.mesh.workers, *x.shape), x.dtype), abstract)
-  opt = jax.eval_shape(parallel.vmap_workers(lambda p: (tx.init(p),)),
-                       params)[0]
   shard = state_lib.state_shardings(
       {'params': params, 'opt_state': opt}, specs, mesh, True)
-  # The outer state's shards (rows/M) take their parameter's spec too.
   rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (x.shape[0], *_sharded.shard_shape(x.shape[1:], x.shape[0])),
       x.dtype), params)
@@ -66,14 +60,37 @@ def _compiled(config, layout, abstract, specs, mesh):
   shard['opt_state'] = jax.tree.map(
       lambda full, row: row if full == worker_only else full,
       shard['opt_state'], by_rows)
+  return shard['params'], shard['opt_state']
+
+
+def _compiled(config, layout, abstract, specs, mesh):
+  """(argument bytes per device, collectives by kind) of the sync step;
+  layout ``'offloaded'``: the replicated layout with the anchor and outer
+  state in ``pinned_host`` memory, moved to the device for the step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import loc_opt  # pylint: disable=g-import-not-at-top
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  offload = layout == 'offloaded'
+  tx = loc_opt.diloco(optax.adamw(1e-3), sync_every=config.outer.sync_every,
+                      outer_state_layout='replicated' if offload else layout)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (config.mesh.workers, *x.shape), x.dtype), abstract)
+  opt = jax.eval_shape(parallel.vmap_workers(lambda p: (tx.init(p),)),
+                       params)[0]
+  p_shard, on_device = _state_shardings(params, opt, specs, mesh)
+  at_rest = parallel.host_shardings(on_device, ('anchor', 'outer_state')
+                                    ) if offload else on_device
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params, sync=True)
     return optax.apply_updates(params, updates), state
 
-  fn = jax.jit(parallel.shard_map_workers(step, mesh),
-               in_shardings=(shard['params'], shard['opt_state'],
-                             shard['params']))
+  program = parallel.offloaded(parallel.shard_map_workers(step, mesh),
+                               on_device, at_rest)
+  fn = jax.jit(program, in_shardings=(p_shard, at_rest, p_shard),
+               out_shardings=(p_shard, at_rest))
   compiled = fn.lower(params, opt, params).compile()
   report = parallel.collective_bytes(compiled, mesh)
   devices = math.prod(mesh.shape.values())
@@ -110,10 +127,13 @@ def main(argv):
   print(f'# {model.num_params / 1e6:,.1f}M parameters, mesh (w x d x f x t) '
         f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}\n{HEADER}\n'
         + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
-  for layout in ('replicated', 'sharded'):
-    here = outer.outer_state_bytes(abstract, m.workers, layout=layout,
+  for layout in ('replicated', 'sharded', 'offloaded'):
+    kept = 'replicated' if layout == 'offloaded' else layout
+    here = outer.outer_state_bytes(abstract, m.workers, layout=kept,
                                    divisors=divisors)
-    unsplit = outer.outer_state_bytes(abstract, m.workers, layout=layout)
+    unsplit = outer.outer_state_bytes(abstract, m.workers, layout=kept)
+    if layout == 'offloaded':  # On the host between syncs.
+      here = unsplit = 0
     args, kinds = '-', '-'
     if _COMPILE.value:
       mesh = parallel.make_worker_mesh(m.workers, m.data, m.fsdp, m.tensor)

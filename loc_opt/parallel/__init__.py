@@ -9,6 +9,8 @@ from loc_opt.parallel.mesh import devices_per_worker
 from loc_opt.parallel.mesh import make_worker_mesh
 from loc_opt.parallel.mesh import num_workers
 from loc_opt.parallel.mesh import WORKER
+from loc_opt.parallel.offload import host_shardings
+from loc_opt.parallel.offload import offloaded
 from loc_opt.parallel.runners import replicate
 from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers

@@ -131,6 +131,11 @@ def test_sync_is_reduce_scatter_and_all_gather():
   assert sharded['all-gather'] * M == sharded['reduce-scatter']
   assert sharded['all-reduce'] == 4 * devices  # the present count
   assert report('sharded', False).cross_worker_bytes_range == (0, 0)
+  # Deciding on device: the sync's collectives only in its cond branch.
+  cond = report('sharded', None)
+  assert cond.cross_worker_bytes == 0
+  (branches,) = cond.branches.values()
+  assert sorted(branches) == [0, sum(sharded.values())]
 
 
 def test_refuses_what_it_cannot_shard():

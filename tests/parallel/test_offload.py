@@ -1,0 +1,40 @@
+"""Tests of loc_opt.parallel.offload: DiLoCo's outer state on the host."""
+
+import jax
+import optax
+
+import loc_opt
+from loc_opt import parallel
+from tests import optax_conformance as conf
+from tests.outer import _helpers as helpers
+
+
+def test_offloaded_outer_state_equals_on_device():
+  mesh = helpers.worker_mesh()
+  tx = loc_opt.diloco(optax.adam(3e-2), sync_every=3)
+
+  def step(params, state, batch):
+    grads = jax.grad(helpers.quad_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = helpers.stack(conf.example_params())
+  state = jax.vmap(tx.init)(params)
+  worker = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+  on_device = jax.tree.map(lambda _: worker, state)
+  at_rest = parallel.host_shardings(on_device, ('anchor', 'outer_state'))
+  mapped = parallel.shard_map_workers(step, mesh)
+  plain = jax.jit(mapped)
+  moved = jax.jit(parallel.offloaded(mapped, on_device, at_rest),
+                  in_shardings=(worker, at_rest, worker),
+                  out_shardings=(worker, at_rest))
+  want, want_state = params, state
+  got, got_state = params, jax.device_put(state, at_rest)
+  for i in range(7):  # two syncs
+    want, want_state = plain(want, want_state, helpers.worker_batches(i))
+    got, got_state = moved(got, got_state, helpers.worker_batches(i))
+  assert got_state.anchor['w'].sharding.memory_kind == 'pinned_host'
+  assert got_state.inner_state[0].mu['w'].sharding.memory_kind == 'device'
+  assert int(got_state.num_syncs[0]) == 2
+  conf.assert_trees_close(got, want, rtol=0, atol=0)
+  conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
