@@ -4,7 +4,8 @@ For a config's model (abstract parameters, nothing materialized) and mesh,
 prints one Markdown row per layout: ``diloco(...,
 outer_state_layout='replicated' | 'sharded')``, and ``'offloaded'``, the
 replicated layout with the anchor and outer state in pinned host memory
-between steps (``loc_opt.parallel.offloaded``; 0 device bytes at rest): the anchor + Nesterov momentum bytes per device
+between steps (``loc_opt.parallel.offloaded``; 0 device bytes at rest):
+the anchor + Nesterov momentum bytes per device
 derived from shapes (``loc_opt.outer.outer_state_bytes``): each leaf's
 state divided like its parameter over the worker's FSDP / tensor devices
 (the sharded layout's rows/M shards take the parameter's spec too), and

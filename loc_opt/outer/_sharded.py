@@ -5,10 +5,13 @@ each anchor leaf zero-padded on its leading axis to a multiple of the
 worker count ``M``, only its own rows, strided (worker ``i`` holds rows
 ``i, i + M, i + 2M, ...``: ``ceil(rows / M)`` of them; a scalar is one
 row), and the outer optimizer's state over that shard. Strided rows keep
-the leaf's other axes and every device's block of rows when a worker
-shards the parameter inside it (FSDP, tensor): each device reduce-scatters
-its own block over the workers and nothing moves inside a worker, where a
-flattened or contiguous split would first gather the leaf in the worker. The sync then is
+the leaf's other axes, and a device's block of rows under FSDP holds
+whole groups of ``M`` rows, so the shard can take its parameter's
+sharding inside a worker. (XLA's SPMD partitioner, in a ``shard_map``
+manual over the worker axis only, still gathers a reduce-scatter's and an
+all-gather's operand inside the worker first: under FSDP / tensor
+parallelism the sync moves that many times the bytes; see
+docs/sharding.md.) The sync then is
 
 .. math::
 
@@ -19,7 +22,8 @@ flattened or contiguous split would first gather the leaf in the worker. The syn
 
 a reduce-scatter of the local parameters and an all-gather of the new
 anchor: together the two halves of a ring all-reduce, so the bytes on the
-wire are those of the replicated layout's all-reduce, while the persistent
+wire are those of the replicated layout's all-reduce (where a worker's
+parameters are not split inside it), while the persistent
 outer state costs ``1/M`` per worker. The full anchor exists only inside
 the sync step (it is where every worker lands). The mean of the pseudo-
 gradient is taken as ``phi - mean(theta')``, equal to ``mean(phi -

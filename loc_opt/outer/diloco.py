@@ -140,12 +140,12 @@ def diloco(
 
   Outer state layout: by default (``'replicated'``) every worker holds the
   whole anchor and outer-optimizer state. ``outer_state_layout='sharded'``
-  keeps on each worker only its 1/M of every anchor leaf (its rows,
-  the leading axis zero-padded to a multiple of M) and the outer state over it, as ZeRO
-  stage 1 partitions optimizer state (Rajbhandari et al., 2020): the sync
-  becomes a reduce-scatter of the local parameters, the outer step on the
-  shard and an all-gather of the new anchor, the two halves of the
-  all-reduce it replaces (see :mod:`loc_opt.outer._sharded`). The state's
+  keeps on each worker only its 1/M of every anchor leaf (strided rows,
+  the leading axis zero-padded to a multiple of M) and the outer state
+  over it, as ZeRO stage 1 partitions optimizer state (Rajbhandari et
+  al., 2020): the sync becomes a reduce-scatter of the local parameters,
+  the outer step on the shard and an all-gather of the new anchor, the two
+  halves of the all-reduce it replaces (see :mod:`loc_opt.outer._sharded`). The state's
   ``anchor`` then holds the shards, so ``init`` must run under the worker
   map too (``loc_opt.parallel.vmap_workers(tx.init)``) and evaluation
   weights come from ``diloco_eval_params(..., outer_state_layout=
