@@ -146,9 +146,9 @@ def diloco(
   al., 2020): the sync becomes a reduce-scatter of the local parameters,
   the outer step on the shard and an all-gather of the new anchor, the two
   halves of the all-reduce it replaces (see :mod:`loc_opt.outer._sharded`).
-  The state's ``anchor`` then holds the shards, so ``init`` must run under the worker
-  map too (``loc_opt.parallel.vmap_workers(tx.init)``) and evaluation
-  weights come from ``diloco_eval_params(..., outer_state_layout=
+  The state's ``anchor`` then holds the shards, so ``init`` must run under
+  the worker map too (``loc_opt.parallel.vmap_workers(tx.init)``) and
+  evaluation weights come from ``diloco_eval_params(..., outer_state_layout=
   'sharded')`` under it. Worker dropout (``present``) and the non-finite
   guard work as above (a 4-byte count is all-reduced at every sync);
   ``codec``, ``reduce_fn`` and robust rules are refused. Exact, up to
