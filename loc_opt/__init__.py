@@ -40,6 +40,8 @@ from loc_opt.outer import eager_diloco
 from loc_opt.outer import eager_eval_params
 from loc_opt.outer import edit_diloco
 from loc_opt.outer import edit_eval_params
+from loc_opt.outer import hierarchical_diloco
+from loc_opt.outer import hierarchical_eval_params
 from loc_opt.outer import local_adam
 from loc_opt.outer import local_sgd
 from loc_opt.outer import mt_dao
