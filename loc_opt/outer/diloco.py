@@ -217,8 +217,11 @@ def diloco(
     raise ValueError('diloco with a codec needs an axis_name')
   robust.check(aggregate, trim=trim, clip_multiple=clip_multiple,
                codec=codec, reduce_fn=reduce_fn)
-  average = robust.averager(aggregate, trim=trim, clip_multiple=clip_multiple)
-  compressor = None if codec is None else compression.as_compressor(codec)
+  gathered = aggregate in robust.GATHERED
+  average = robust.averager(aggregate, trim=trim, clip_multiple=clip_multiple,
+                            codec=codec if gathered else None)
+  compressor = (None if codec is None or gathered
+                else compression.as_compressor(codec))
   comm = compression.Comm(axis_name) if axis_name is not None else None
 
   init_fn = _local.periodic_init(

@@ -21,7 +21,12 @@ against ``2 (M - 1) / M n`` for an all-reduce, ``M / 2`` times the time.
 The norm-clipped mean needs only the ``M`` norms: an all-gather of two
 scalars per worker, then the usual all-reduce of the clipped values (so it
 takes a codec, which compresses that all-reduce). The median and the
-trimmed mean are fp32 only and refuse a codec.
+trimmed mean take a codec too (``codec='int8'``, ``'fp4_e3m0'``, ...): each
+worker encodes its pseudo-gradient (per tensor for per-tensor codecs), the
+payloads are all-gathered and every worker decodes all ``M`` of them before
+the statistic, so the gather shrinks by the codec's ratio. A compressor
+with state (error feedback) is refused there: its residual assumes the mean
+is what it corrects.
 
 Absent workers (``present=False``) and workers whose pseudo-gradient is not
 finite are left out of every statistic: the median and trimmed mean sort the
@@ -52,7 +57,8 @@ from loc_opt import compression
 from loc_opt.outer import _local
 
 AGGREGATES = ('mean', 'median', 'trimmed_mean', 'norm_clipped_mean')
-# The rules that all-gather fp32 pseudo-gradients (and take no codec).
+# The rules that all-gather every worker's pseudo-gradient (fp32, or a
+# stateless codec's payloads).
 GATHERED = ('median', 'trimmed_mean')
 
 # ``(delta, codec_state, present, **mean_kwargs) -> (mean, sent,
@@ -155,17 +161,65 @@ def _included(delta: Any, present: jax.Array | None) -> jax.Array:
   return finite if present is None else jnp.logical_and(present, finite)
 
 
-def _gathered_average(statistic: Callable[[jax.Array, jax.Array],
-                                          jax.Array]) -> Average:
-  """A median-like rule: all-gather the flat fp32 pseudo-gradients (this
-  worker's included flag in the last element) and apply ``statistic``."""
+def gather_codec(scheme: Any) -> compression.Codec:
+  """The codec a gathering rule sends through: a ``Codec``, or a name (or
+  ``(name, kwargs)``) of ``loc_opt.compression.CODECS``."""
+  if isinstance(scheme, compression.Codec):
+    return scheme
+  name, kwargs = (scheme, {}) if isinstance(scheme, str) else (
+      scheme if isinstance(scheme, tuple) and len(scheme) == 2 else
+      (None, None))
+  if isinstance(name, str) and name in compression.CODECS:
+    return compression.make_codec(name, field='codec', **dict(kwargs))
+  raise ValueError(
+      f'aggregate=\'median\' / \'trimmed_mean\' gather and decode every '
+      'worker\'s payload: codec must be a stateless codec (an object or a '
+      f'name of loc_opt.compression.CODECS, e.g. \'int8\'), got {scheme!r} '
+      '(a compressor with error feedback is not one)')
 
-  def average(delta, codec_state, present, *, comm, **unused):
-    del unused  # compressor (None), seed, index, mean_fn
+
+def _decoded_rows(codec: compression.Codec, parts: list[jax.Array],
+                  comm: compression.Comm | None, key: jax.Array
+                  ) -> jax.Array:
+  """``[M, n]``: every worker's ``parts`` (flat fp32 arrays, concatenated)
+  as decoded from its all-gathered payloads."""
+  enc_key = key
+  if codec.randomness == 'per_worker' and comm is not None:
+    enc_key = jax.random.fold_in(key, comm.index())
+  rows = []
+  for x in parts:
+    n = x.size
+    size = n + (-n) % codec.block_size
+    payload = codec.encode(jnp.pad(x, (0, size - n)), enc_key)
+    gathered = jax.tree.map(lambda p: _gather(comm, p), payload)
+    rows.append(jax.vmap(lambda p, size=size: codec.decode(p, size, key))(
+        gathered)[:, :n])
+  return jnp.concatenate(rows, axis=1)
+
+
+def _gathered_average(statistic: Callable[[jax.Array, jax.Array],
+                                          jax.Array],
+                      codec: compression.Codec | None = None) -> Average:
+  """A median-like rule: all-gather the flat fp32 pseudo-gradients (this
+  worker's included flag in the last element), or the payloads of
+  ``codec`` (and the flags apart), and apply ``statistic``."""
+
+  def average(delta, codec_state, present, *, comm, seed=0, index=0,
+              **unused):
+    del unused  # compressor (None), mean_fn
     included = _included(delta, present)
-    flat = jnp.where(included, _flat(delta), 0.)
-    rows = _gather(comm, jnp.append(flat, included.astype(jnp.float32)))
-    mean = statistic(rows[:, :-1], rows[:, -1] > 0.5)
+    if codec is None:
+      flat = jnp.where(included, _flat(delta), 0.)
+      rows = _gather(comm, jnp.append(flat, included.astype(jnp.float32)))
+      values, mask = rows[:, :-1], rows[:, -1] > 0.5
+    else:
+      leaves = [jnp.where(included, jnp.ravel(x).astype(jnp.float32), 0.)
+                for x in jax.tree.leaves(delta)]
+      parts = leaves if codec.per_tensor else [jnp.concatenate(leaves)]
+      key = jax.random.fold_in(jax.random.key(seed), index)
+      values = _decoded_rows(codec, parts, comm, key)
+      mask = _gather(comm, included.astype(jnp.float32)[None])[:, 0] > 0.5
+    mean = statistic(values, mask)
     return _unflat(mean, delta), delta, codec_state, included
 
   return average
@@ -207,17 +261,14 @@ def check(aggregate: str, *, trim: Any = 1, clip_multiple: Any = 1.0,
   _checks.nonnegative_int(trim, 'trim')
   _checks.positive_float(clip_multiple, 'clip_multiple')
   if aggregate in GATHERED and codec is not None:
-    raise ValueError(
-        f'aggregate={aggregate!r} all-gathers fp32 pseudo-gradients and '
-        'takes no codec; use aggregate=\'norm_clipped_mean\' (which '
-        'compresses its all-reduce) or drop the codec')
+    gather_codec(codec)
   if aggregate != 'mean' and reduce_fn is not None:
     raise ValueError(f'aggregate={aggregate!r} brings its own collectives '
                      'and takes no reduce_fn')
 
 
 def averager(aggregate: str = 'mean', *, trim: Any = 1,
-             clip_multiple: Any = 1.0) -> Average:
+             clip_multiple: Any = 1.0, codec: Any = None) -> Average:
   """The average over workers that ``aggregate`` names.
 
   ``'mean'`` is ``_local.guarded_mean`` itself (the all-reduce, with the
@@ -230,18 +281,22 @@ def averager(aggregate: str = 'mean', *, trim: Any = 1,
       The worker count must exceed ``2 trim`` (checked when traced).
     clip_multiple: ``'norm_clipped_mean'``: the bound, a multiple of the
       median of the included workers' norms.
+    codec: ``'median'`` / ``'trimmed_mean'``: gather through this stateless
+      codec (:func:`gather_codec`); None: fp32.
 
   Returns:
     ``average(delta, codec_state, present, *, compressor, comm, seed,
     index, mean_fn) -> (mean, sent, codec_state, included)``.
   """
-  check(aggregate, trim=trim, clip_multiple=clip_multiple)
+  check(aggregate, trim=trim, clip_multiple=clip_multiple,
+        codec=codec if aggregate in GATHERED else None)
+  codec = gather_codec(codec) if codec is not None else None
   if aggregate == 'mean':
     return _local.guarded_mean
   if aggregate == 'norm_clipped_mean':
     return _clipped_average(clip_multiple)
   if aggregate == 'median':
-    return _gathered_average(median)
+    return _gathered_average(median, codec)
 
   def trimmed(values, mask):
     if 2 * trim >= values.shape[0]:
@@ -249,4 +304,4 @@ def averager(aggregate: str = 'mean', *, trim: Any = 1,
                        f'{values.shape[0]} workers; use trim < M / 2')
     return trimmed_mean(values, mask, trim)
 
-  return _gathered_average(trimmed)
+  return _gathered_average(trimmed, codec)

@@ -409,10 +409,12 @@ def streaming_diloco(
   cfg = _Config(
       num_fragments=p_count, sync_every=sync_every, overlap=overlap,
       alpha=alpha, outer=_local.nesterov_outer() if outer is None else outer,
-      compressor=None if codec is None else compression.as_compressor(codec),
+      compressor=(None if codec is None or aggregate in robust.GATHERED
+                  else compression.as_compressor(codec)),
       comm=compression.Comm(axis_name) if axis_name is not None else None,
       codec_seed=codec_seed, average=robust.averager(
-          aggregate, trim=trim, clip_multiple=clip_multiple))
+          aggregate, trim=trim, clip_multiple=clip_multiple,
+          codec=codec if aggregate in robust.GATHERED else None))
 
   def split(params):
     return _fragments.pieces(

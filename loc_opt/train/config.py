@@ -211,6 +211,15 @@ def aggregate_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
 ROBUST_METHODS = ('diloco', 'local_sgd', 'streaming_diloco')
 
 
+def gather_codec(config) -> tuple[str, dict[str, Any]] | None:
+  """``(outer.codec, outer.codec_kwargs)`` for a gathering rule (median,
+  trimmed mean), or None for ``'none'`` (fp32)."""
+  name = config.outer.get('codec', 'none')
+  if name == 'none':
+    return None
+  return name, dict(plain(config.outer.get('codec_kwargs', {})) or {})
+
+
 def check_aggregate(config) -> None:
   """Validates ``outer.aggregate`` and its parameters against the method,
   the codec and the worker count."""
@@ -221,9 +230,14 @@ def check_aggregate(config) -> None:
     raise ValueError(f'outer.aggregate={rule!r}: outer.method={method!r} '
                      f'averages with a mean only (robust rules: '
                      f'{", ".join(ROBUST_METHODS)})')
-  codec = None if config.outer.get('codec', 'none') == 'none' else 'codec'
-  checked('outer.aggregate', outer_lib.robust.check, rule,
-                  codec=codec)
+  codec = gather_codec(config) if rule in outer_lib.robust.GATHERED else None
+  if codec is not None and config.outer.get('error_feedback',
+                                            'none') != 'none':
+    raise ValueError(
+        f'outer.error_feedback={config.outer.error_feedback!r}: '
+        f'outer.aggregate={rule!r} gathers every worker\'s codec payload '
+        'and decodes it, without error feedback; set it to \'none\'')
+  checked('outer.codec', outer_lib.robust.check, rule, codec=codec)
   trim = kwargs.get('trim', 1)
   if rule == 'trimmed_mean' and 2 * trim >= config.mesh.workers:
     raise ValueError(f'outer.aggregate_trim={trim} drops every one of the '

@@ -76,11 +76,12 @@ def _period_plan(config) -> plan_lib.Plan:
 
 
 def _codec(config):
-  """``outer.codec``'s compressor; ``None`` for ``'none'`` under a rule
-  that all-gathers fp32 pseudo-gradients (median, trimmed mean)."""
+  """``outer.codec``'s compressor; under a rule that all-gathers every
+  worker's pseudo-gradient (median, trimmed mean) its stateless codec by
+  name, or None for fp32."""
   rule = cfg_lib.aggregate_kwargs(config).get('aggregate', 'mean')
-  if rule in outer_lib.robust.GATHERED and config.outer.codec == 'none':
-    return None
+  if rule in outer_lib.robust.GATHERED:
+    return cfg_lib.gather_codec(config)
   return cfg_lib.make_compressor(config)
 
 

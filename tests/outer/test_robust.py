@@ -106,9 +106,13 @@ def test_worker_average_matches_numpy_leaving_out_bad_workers(rule):
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match='aggregate'):
     loc_opt.diloco(optax.sgd(0.1), sync_every=2, aggregate='mode')
-  with pytest.raises(ValueError, match='codec'):
+  # A gathering rule takes a stateless codec, not error feedback.
+  with pytest.raises(ValueError, match='stateless codec'):
     loc_opt.diloco(optax.sgd(0.1), sync_every=2, aggregate='median',
-                   codec='int8')
+                   codec=compression.error_feedback(compression.from_codec(
+                       compression.int8())))
+  loc_opt.diloco(optax.sgd(0.1), sync_every=2, aggregate='median',
+                 codec='int8')
   with pytest.raises(ValueError, match='trim'):
     loc_opt.diloco(optax.sgd(0.1), sync_every=2, trim=-1)
   with pytest.raises(ValueError, match='clip_multiple'):
@@ -161,6 +165,10 @@ def test_one_adversarial_worker_wrecks_the_mean_not_the_robust_rules():
     got = _final_loss(rule, True)
     # Within 5% of the honest run's loss reduction.
     assert got - honest < 0.05 * (start - honest), (rule, got, honest)
+  # The median through int8 payloads (every worker's, all-gathered and
+  # decoded) keeps the adversary out as well.
+  got = _final_loss('median', True, codec='int8')
+  assert got - honest < 0.05 * (start - honest), ('median int8', got)
 
 
 # ------------------------------------------------------------------ HLO ---
@@ -189,6 +197,21 @@ def test_gathered_rules_cost_an_all_gather_of_every_payload():
         parallel.cross_worker_transfers(report), M, link)
              / parallel.collective_seconds('all-reduce', 4 * n, M, link))
     np.testing.assert_allclose(ratio, M / 2, rtol=0.05)
+    # Through a codec the gather shrinks to its payloads (int8: 136 codes
+    # padded to one block of 256 and its fp32 scale) plus the M flags.
+    kinds = sync_report(aggregate=rule, codec='int8').by_kind(
+        cross_worker=True)
+    assert set(kinds) == {'all-gather'}, kinds
+    # (The reader counts a few bytes of padding on top; the fp32 gather
+    # of the same pseudo-gradient is 548 bytes.)
+    assert 256 + 4 + 4 <= kinds['all-gather'] / M <= 256 + 4 + 4 + 16, kinds
+    # A per-tensor codec: one payload (and scale) per leaf.
+    fp4 = compression.fp4_codec('e3m0', block_size=None)
+    kinds = sync_report(aggregate=rule, codec=fp4).by_kind(cross_worker=True)
+    want = sum(fp4.payload_bytes(x.size)
+               for x in jax.tree.leaves(helpers.tile_params()))
+    assert want + 4 <= kinds['all-gather'] / M <= want + 4 + 16, (kinds,
+                                                                 want)
   # The clipped mean: the all-reduce plus the M norms.
   clipped = sync_report(aggregate='norm_clipped_mean').by_kind(
       cross_worker=True)
@@ -221,7 +244,16 @@ def test_streaming_diloco_takes_a_rule():
   # With every worker honest and 4 of them, the median of each fragment
   # is finite and the workers agree after the last sync of each fragment.
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(got))
-  with pytest.raises(ValueError, match='codec'):
+  # Through a stateless codec, per fragment; error feedback is refused.
+  tx = loc_opt.streaming_diloco(
+      optax.adam(1e-2), sync_every=4, fragments={'w': 0, 'b': 1},
+      num_fragments=2, overlap=0, aggregate='trimmed_mean', codec='int8')
+  coded, _ = helpers.run_workers(tx, 8)
+  conf.assert_trees_close(coded, got, rtol=0.05, atol=0.02)
+  with pytest.raises(ValueError, match='stateless codec'):
     loc_opt.streaming_diloco(optax.adam(1e-2), sync_every=4,
                              num_fragments=2, fragments={'w': 0, 'b': 1},
-                             aggregate='trimmed_mean', codec='int8')
+                             aggregate='trimmed_mean',
+                             codec=compression.error_feedback(
+                                 compression.from_codec(
+                                     compression.int8())))
