@@ -277,6 +277,15 @@ def num_fragments_of(num_fragments: int | None, fragments: Any) -> int:
   return max(ids) + 1
 
 
+def anchor_parts(params: Any, groups: list[list[Piece]], anchor_dtype: Any
+                 ) -> tuple[Any, list[list[Any]]]:
+  """The initial anchor (``_local.init_anchor``) and each fragment's list
+  of its anchor pieces."""
+  anchor = _local.init_anchor(params, anchor_dtype)
+  leaves = jax.tree.leaves(anchor)
+  return anchor, [[take(leaves[i], rows) for i, rows in g] for g in groups]
+
+
 # ------------------------------------------------------------- arrays ---
 def take(x: Any, rows: Rows) -> Any:
   """The rows ``rows`` of ``x``'s leading axis (``x`` itself for ``None``)."""

@@ -522,10 +522,7 @@ def _init(cfg: _Config, inner: optax.GradientTransformation, params: Any,
           ) -> DecoupledDilocoState:
   """The initial state: the anchor, and one outer state (and codec state)
   per fragment over its anchor pieces."""
-  anchor = _local.init_anchor(params, anchor_dtype)
-  a_leaves = jax.tree.leaves(anchor)
-  parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
-           for g in groups]
+  anchor, parts = _fragments.anchor_parts(params, groups, anchor_dtype)
   zeros = jnp.zeros([cfg.num_fragments], jnp.float32)
   return DecoupledDilocoState(
       inner_state=inner.init(params), anchor=anchor,

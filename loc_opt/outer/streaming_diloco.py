@@ -157,10 +157,7 @@ def _init(cfg: _Config, inner: optax.GradientTransformation,
           anchor_dtype: Any) -> StreamingDilocoState:
   """The initial state: one outer state (and in-flight buffer, and codec
   state) per fragment, over the list of its anchor pieces."""
-  anchor = _local.init_anchor(params, anchor_dtype)
-  a_leaves = jax.tree.leaves(anchor)
-  parts = [[_fragments.take(a_leaves[i], rows) for i, rows in g]
-           for g in groups]
+  anchor, parts = _fragments.anchor_parts(params, groups, anchor_dtype)
   zeros = jnp.zeros([cfg.num_fragments], jnp.int32)
   return StreamingDilocoState(
       inner_state=inner.init(params),
