@@ -130,6 +130,22 @@ def diloco_family_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def wire_bytes_main(data: dict[str, Any]) -> str:
+  """Bytes on the wire of every codec against its theoretical payload."""
+  res = data['results']
+  s = res['setup']
+  fp32 = 4 * s['num_params']
+  lines = [f'{s["num_params"]:,} parameters ({s["rows"]}x{s["cols"]} matrix '
+           f'+ bias); fp32 = {fp32:,} B per worker', '',
+           '| scheme | measured B/worker | theory B | measured/theory | '
+           'fp32/measured |', '|---|---|---|---|---|']
+  for r in res['rows']:
+    sent, theory = r['measured_bytes_per_worker'], r['theory_bytes']
+    lines.append(f'| {r["label"]} | {sent:,.0f} | {theory:,} | '
+                 f'{sent / theory:.3f} | {fp32 / sent:.1f} |')
+  return '\n'.join(lines) + '\n'
+
+
 def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
                          ylim: tuple[float, float] = (1.6, 2.6)) -> None:
   """Final loss against total bytes and against projected simulated time;
@@ -169,6 +185,7 @@ def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
+    ('wire_bytes', 'main'): wire_bytes_main,
 }
 
 # results name -> (figure renderer, path under docs/).
