@@ -245,6 +245,40 @@ def marked(text: str) -> list[tuple[str, str, int, int]]:
   return out
 
 
+def markdown_tables(text: str) -> list[tuple[str, int, int, bool]]:
+  """``(header row, first line, end line, has numbers)`` of every Markdown
+  table in ``text`` outside fenced code, lines counted from 0; a table has
+  numbers if a cell of a body row holds a digit."""
+  lines = text.split('\n')
+  out, fence, i = [], False, 0
+  while i < len(lines):
+    line = lines[i].strip()
+    if line.startswith('```'):
+      fence = not fence
+    elif (not fence and line.startswith('|') and i + 1 < len(lines)
+          and re.fullmatch(r'\|(\s*:?-+:?\s*\|)+', lines[i + 1].strip())):
+      end = i + 2
+      while end < len(lines) and lines[end].strip().startswith('|'):
+        end += 1
+      numbers = any(re.search(r'\d', row) for row in lines[i + 2:end])
+      out.append((line, i, end, numbers))
+      i = end
+      continue
+    i += 1
+  return out
+
+
+def unsourced_tables(text: str) -> list[tuple[str, int]]:
+  """``(header row, line)`` of the tables with numbers in ``text`` that are
+  not between results markers."""
+  starts = [text.count('\n', 0, start) for _, _, start, _ in marked(text)]
+  ends = [text.count('\n', 0, end) for _, _, _, end in marked(text)]
+  return [(header, first) for header, first, end, numbers
+          in markdown_tables(text)
+          if numbers and not any(s <= first and end <= e + 1
+                                 for s, e in zip(starts, ends))]
+
+
 def docs_pages(docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
   """The Markdown pages of ``docs`` (and its subfolders)."""
   return sorted(docs.rglob('*.md'))
