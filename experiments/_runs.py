@@ -55,6 +55,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
         resumed_from_step=(before or {}).get('step'),
         compile_seconds=summary.get('compile_seconds'),
         train_seconds=summary.get('train_seconds_this_run'))
+  if not summary.get('finished'):
+    raise SystemExit(f'{label}: stopped at step {summary["step"]} in '
+                     f'{workdir} (run the command again to resume)')
   remember(config, workdir, label, record, summary)
   summary['curve'] = curve(workdir)
   print(f'{label:<34} steps {summary["step"]:>4}  final eval loss '
@@ -63,12 +66,18 @@ def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
 
 
 def _finished_step(workdir) -> dict[str, Any] | None:
-  """``{'step', 'finished'}`` of the run in ``workdir`` before this call."""
-  path = pathlib.Path(workdir) / 'summary.json'
-  if not path.exists():
-    return None
-  summary = json.loads(path.read_text())
-  return {'step': summary.get('step'), 'finished': summary.get('finished')}
+  """``{'step', 'finished'}`` of the run in ``workdir`` before this call
+  (the latest checkpoint's step for an unfinished run), or None if there is
+  no run yet."""
+  path = pathlib.Path(workdir)
+  if (path / 'summary.json').exists():
+    summary = json.loads((path / 'summary.json').read_text())
+    if summary.get('finished'):
+      return {'step': summary.get('step'), 'finished': True}
+  ckpts = path / 'checkpoints'
+  steps = ([int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
+           if ckpts.is_dir() else [])
+  return {'step': max(steps), 'finished': False} if steps else None
 
 
 def remember(config: ml_collections.ConfigDict, workdir, label: str,

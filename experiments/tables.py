@@ -22,6 +22,7 @@ import json
 import pathlib
 import re
 import sys
+import textwrap
 from typing import Any, Callable
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -52,29 +53,37 @@ def format_time(seconds: float) -> str:
 
 
 def source_line(name: str, data: dict[str, Any]) -> str:
-  """One line under a table: the results file, the commits that trained
-  its runs (dirty trees flagged), the packages and devices."""
-  commits = {}
+  """A paragraph under a table: the results file, the commit of the code
+  that trained its runs (or, without runs, that computed it; dirty trees
+  flagged), packages, devices and how to regenerate it."""
+  def commit(p):
+    return f'`{(p["commit"] or "no git")[:10]}`' + (' (dirty)' if p['dirty']
+                                                   else '')
+  counts: dict[str, int] = {}
   unknown = 0
   for run in data.get('runs', []):
-    p = run['provenance']
-    if 'commit' not in p:
+    if 'commit' not in run['provenance']:
       unknown += 1
-      continue
-    key = (p['commit'] or 'no git')[:10] + (' (dirty)' if p['dirty'] else '')
-    commits[key] = commits.get(key, 0) + 1
-  runs = ', '.join(f'`{c}` ({n} runs)' if len(commits) > 1 else f'`{c}`'
-                   for c, n in sorted(commits.items()))
-  if unknown:
-    runs += f'{", " if runs else ""}{unknown} runs without a record'
+    else:
+      key = commit(run['provenance'])
+      counts[key] = counts.get(key, 0) + 1
   p = data['provenance']
+  if counts or unknown:
+    parts = [f'{c} ({n} runs)' if len(counts) + bool(unknown) > 1 else c
+             for c, n in sorted(counts.items())]
+    parts += [f'{unknown} runs without a record'] if unknown else []
+    made = f'runs trained at commit {", ".join(parts)}'
+  else:
+    made = f'computed at commit {commit(p)}'
   pk, dev = p['packages'], p['device']
-  return (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
-          f'written {p["time_utc"][:10]}; runs trained at commit {runs}; '
-          f'jax {pk["jax"]}, flax {pk["flax"]}, optax {pk["optax"]}, '
-          f'{dev["device_count"]} x {dev["device_kind"]} devices on '
-          f'{dev["host_cpus"]} host CPUs. Regenerate: '
-          f'`python -m experiments.regenerate --only={name}`.')
+  text = (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
+          f'written {p["time_utc"][:10]}; {made}; jax {pk["jax"]}, flax '
+          f'{pk["flax"]}, optax {pk["optax"]}; {dev["device_count"]} x '
+          f'{dev["device_kind"]} devices, {dev["host_cpus"]} host CPUs. '
+          f'Regenerate: `python -m experiments.regenerate --workdir=DIR '
+          f'--only={name}`.')
+  return textwrap.fill(text, 79, break_on_hyphens=False,
+                       break_long_words=False)
 
 
 def compare_dp_diloco_main(data: dict[str, Any]) -> str:
