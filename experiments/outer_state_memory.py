@@ -23,8 +23,9 @@ collectives, bytes per device by kind.
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
 devices. With --workdir, also writes ``outer_state_memory.md`` and the
-results file ``outer_state_memory.json`` (rows, config, provenance). Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models*, 2020.
+results file ``outer_state_memory.json`` (rows, config, provenance).
+Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models*, 2020.
 """
 
 import json
