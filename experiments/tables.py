@@ -29,9 +29,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
 RESULTS = DOCS / 'results'
 
+# Markers stand alone on their lines.
 MARKER = re.compile(
-    r'(?P<open><!-- results:(?P<name>[\w-]+):(?P<table>[\w-]+) -->\n)'
-    r'(?P<body>.*?)(?P<close><!-- /results -->)', re.S)
+    r'^(?P<open><!-- results:(?P<name>[\w-]+):(?P<table>[\w-]+) -->\n)'
+    r'(?P<body>.*?)^(?P<close><!-- /results -->)$', re.S | re.M)
 
 
 def format_bytes(n: float) -> str:
@@ -246,7 +247,7 @@ def marked(text: str) -> list[tuple[str, str, int, int]]:
   ``text``; an opening marker without its close is an error."""
   out = [(m['name'], m['table'], m.start('body'), m.end('body'))
          for m in MARKER.finditer(text)]
-  opens = len(re.findall(r'<!-- results:', text))
+  opens = len(re.findall(r'^<!-- results:', text, re.M))
   if opens != len(out):
     raise ValueError(f'{opens} opening results markers but {len(out)} '
                      'closed blocks: a "<!-- /results -->" is missing or '
