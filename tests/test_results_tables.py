@@ -228,8 +228,19 @@ def test_tables_outside_markers_and_in_code_are_told_apart():
 
 def test_every_benchmark_module_exists_and_names_its_page():
   for name, b in regenerate.BENCHMARKS.items():
-    assert (tables.REPO / 'experiments' / f'{b.module}.py').exists(), name
+    source = (tables.REPO / 'experiments' / f'{b.module}.py').read_text()
+    assert f"'{name}'" in source, f'{b.module} does not write {name}.json'
     assert (tables.REPO / b.doc).exists(), name
+
+
+def test_every_benchmark_writes_a_results_file():
+  """Every program under experiments/ but the launcher and the helpers
+  writes its numbers through _runs.write (which adds the provenance)."""
+  helpers = {'__init__', '_runs', 'provenance', 'tables', 'regenerate',
+             'train'}
+  silent = [p.name for p in sorted((tables.REPO / 'experiments').glob('*.py'))
+            if p.stem not in helpers and '_runs.write(' not in p.read_text()]
+  assert not silent, f'benchmarks without a results file: {silent}'
 
 
 def test_regenerate_refuses_unknown_benchmarks():
@@ -244,3 +255,25 @@ def test_provenance_record_round_trips(tmp_path):
   assert record['commit'] is None or len(record['commit']) == 40
   assert record['packages']['jax'] and record['device']['device_count'] == 8
   assert provenance.read(tmp_path / 'absent') is None
+
+
+def test_write_records_runs_configs_and_provenance(tmp_path, monkeypatch):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_runs, 'RUNS', [])
+  run_dir = tmp_path / 'run'
+  record = provenance.record(run_dir, wall_seconds=2.0)
+  config = ml_collections.ConfigDict({'num_steps': 3, 'outer': {'lr': 0.7}})
+  _runs.remember(config, run_dir, 'a run', record,
+                 {'final_eval_loss': 1.5, 'step': 3})
+  _runs.remember(config, tmp_path / 'old', 'old run', None)
+  _runs.write(tmp_path, 'bench', '| a |\n', {'rows': [1]}, extra=7)
+  data = json.loads((tmp_path / 'bench.json').read_text())
+  assert data['results'] == {'rows': [1]} and data['extra'] == 7
+  assert data['benchmark'] == 'bench' and data['format'] == _runs.FORMAT
+  assert data['provenance']['packages']['optax']
+  first, second = data['runs']
+  assert first['config'] == {'num_steps': 3, 'outer': {'lr': 0.7}}
+  assert first['provenance']['wall_seconds'] == 2.0
+  assert first['final_eval_loss'] == 1.5
+  assert 'unknown' in second['provenance']
+  assert (tmp_path / 'bench.md').read_text() == '| a |\n'
