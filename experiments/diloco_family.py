@@ -182,21 +182,23 @@ def main(argv):
     print(f'  bytes {metrics.format_bytes(row["cross_worker_bytes"])}, '
           f'peak/step {metrics.format_bytes(row["peak_bytes_per_step"])}',
           flush=True)
-
-  results = {
-      'setup': {'num_steps': base.num_steps, 'batch_size': base.batch_size,
-                'seq_len': base.data.seq_len, 'workers': base.mesh.workers,
-                'devices_per_worker': (base.mesh.data * base.mesh.fsdp
-                                       * base.mesh.tensor),
-                'sync_every': h, 'straggler_speed': straggler,
-                'num_params': exp.model.num_params, 'step_time_s': step_time,
-                'projected_params': proj_params,
-                'projected_step_time_s': proj_step,
-                'latency_s': base.wallclock.latency_s},
-      'rows': rows}
-  _runs.write(_WORKDIR.value, 'diloco_family',
-              tables.render('diloco_family', 'main', {'results': results}),
-              results)
+    # The results file after every run, so a long sweep cut short still
+    # has the finished rows (``pending`` names the others).
+    results = {
+        'setup': {'num_steps': base.num_steps,
+                  'batch_size': base.batch_size,
+                  'seq_len': base.data.seq_len, 'workers': base.mesh.workers,
+                  'devices_per_worker': (base.mesh.data * base.mesh.fsdp
+                                         * base.mesh.tensor),
+                  'sync_every': h, 'straggler_speed': straggler,
+                  'num_params': exp.model.num_params,
+                  'step_time_s': step_time, 'projected_params': proj_params,
+                  'projected_step_time_s': proj_step,
+                  'latency_s': base.wallclock.latency_s},
+        'rows': rows, 'pending': names[names.index(name) + 1:]}
+    _runs.write(_WORKDIR.value, 'diloco_family',
+                tables.render('diloco_family', 'main', {'results': results}),
+                results)
   tables.diloco_family_figure({'results': results},
                               os.path.join(_WORKDIR.value,
                                            'loss_vs_time.png'))

@@ -41,6 +41,8 @@ class Benchmark:
   module: str  # Under experiments/.
   args: tuple[str, ...] = ()  # Besides --workdir.
   doc: str = 'docs/benchmarks.md'  # Where its tables are published.
+  # Figures it draws itself: file in its workdir -> path in the repository.
+  figures: tuple[tuple[str, str], ...] = ()
 
 
 # name (of the results file) -> how to make it, cheapest and most wanted
@@ -59,7 +61,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         'hierarchical', ('--runs=flat_h30,flat_h60,hier_30_60,'
                          'hier_30_60_int8_stat2',), 'docs/hierarchical.md'),
     'decoupled': Benchmark('decoupled', (), 'docs/decoupled_diloco.md'),
-    'goodput': Benchmark('goodput', (), 'docs/decoupled_diloco.md'),
+    'goodput': Benchmark('goodput', (), 'docs/decoupled_diloco.md',
+                         (('goodput.png', 'docs/figures/goodput.png'),)),
     'dropout': Benchmark('dropout', (), 'docs/faults.md'),
 }
 
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copyfile(results, tables.RESULTS / results.name)
         print(f'{name}: copied to {tables.RESULTS / results.name}',
               flush=True)
+        for src, dst in BENCHMARKS[name].figures:
+          shutil.copyfile(results.parent / src, tables.REPO / dst)
+          print(f'{name}: copied {src} to {dst}', flush=True)
   if not args.no_copy:
     tables.main(['--figures'])
   if failed:

@@ -156,6 +156,33 @@ def wire_bytes_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def _chips(n: int) -> str:
+  """``150000 -> '150k'``, ``1200000 -> '1.2M'``."""
+  return f'{n / 1e6:g}M' if n >= 1_000_000 else f'{n / 1e3:g}k'
+
+
+def goodput_main(data: dict[str, Any]) -> str:
+  """Goodput per policy and chip count, ours / the paper's Table 1."""
+  res = data['results']
+  chips, paper = res['chips'], res['paper_table_1_second_hand']
+  fitted = ' (fitted)' if res['fitted'] else ''
+  rows = [('dp', f'DP, no elasticity{fitted}'),
+          ('elastic_dp', f'elastic DP{fitted}')]
+  rows += [(f'decoupled/{m}', f'Decoupled DiLoCo, M={m}')
+           for m in res['learners'] if m > 1]
+  rows += [(f'diloco/{m}', f'synchronous DiLoCo, M={m}')
+           for m in res['learners'] if f'diloco/{m}' in res['ours']]
+  lines = ['| policy | ' + ' | '.join(_chips(n) for n in chips) + ' |',
+           '|---|' + '---:|' * len(chips)]
+  for key, label in rows:
+    theirs = dict(zip(paper['chips'], paper.get(key, [])))
+    cells = [f'{100 * r["goodput"]:.0f} / '
+             + (f'{theirs[n]:.0f}' if n in theirs else '–')
+             for n, r in zip(chips, res['ours'][key])]
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
 def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
                          ylim: tuple[float, float] = (1.6, 2.6)) -> None:
   """Final loss against total bytes and against projected simulated time;
@@ -196,6 +223,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
+    ('goodput', 'main'): goodput_main,
 }
 
 # results name -> (figure renderer, path under docs/).
