@@ -137,6 +137,8 @@ def diloco_family_main(data: dict[str, Any]) -> str:
         cells.append(f'{format_time(r[prefix + tag + "_s"])} '
                      f'({r[prefix + tag + "_util"]:.0%})')
     lines.append('| ' + ' | '.join(cells) + ' |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
   return '\n'.join(lines) + '\n'
 
 
