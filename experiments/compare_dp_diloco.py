@@ -53,7 +53,13 @@ def main(argv):
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
   rows = []
-  for name in names:
+  setup = {'num_steps': base.num_steps, 'batch_size': base.batch_size,
+           'seq_len': base.data.seq_len, 'workers': base.mesh.workers,
+           'devices_per_worker': (base.mesh.data * base.mesh.fsdp
+                                  * base.mesh.tensor),
+           'outer_learning_rate': base.outer.learning_rate,
+           'outer_momentum': base.outer.momentum}
+  for i, name in enumerate(names):
     label, overrides = RUNS[name]
     c = _runs.variant(base, **overrides)
     s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
@@ -65,17 +71,11 @@ def main(argv):
                  'steps': s['step'], 'syncs': s['syncs'],
                  'cross_worker_bytes': s['cross_worker_bytes'],
                  'num_params': s['num_params']})
-  results = {
-      'setup': {'num_steps': base.num_steps, 'batch_size': base.batch_size,
-                'seq_len': base.data.seq_len, 'workers': base.mesh.workers,
-                'devices_per_worker': (base.mesh.data * base.mesh.fsdp
-                                       * base.mesh.tensor),
-                'outer_learning_rate': base.outer.learning_rate,
-                'outer_momentum': base.outer.momentum},
-      'rows': rows}
-  _runs.write(_WORKDIR.value, 'compare_dp_diloco',
-              tables.render('compare_dp_diloco', 'main', {'results': results}),
-              results)
+    # After every run, so a sweep cut short keeps its finished rows.
+    results = {'setup': setup, 'rows': rows, 'pending': names[i + 1:]}
+    _runs.write(_WORKDIR.value, 'compare_dp_diloco',
+                tables.render('compare_dp_diloco', 'main',
+                              {'results': results}), results)
 
 
 if __name__ == '__main__':

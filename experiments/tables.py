@@ -109,6 +109,8 @@ def compare_dp_diloco_main(data: dict[str, Any]) -> str:
     lines.append(f'| {r["label"]} | {r["sync_every"]} | {loss} | '
                  f'{r["cross_worker_bytes"]:,} '
                  f'({format_bytes(r["cross_worker_bytes"])}) | {syncs} |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
   return '\n'.join(lines) + '\n'
 
 
