@@ -345,9 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         page.write_text(new)
   if args.figures and not args.check:
     for name, (draw, rel) in FIGURES.items():
-      if (RESULTS / f'{name}.json').exists():
-        draw(load(name), DOCS / rel)
-        print(f'drew {DOCS / rel}')
+      if not (RESULTS / f'{name}.json').exists():
+        continue
+      data = load(name)
+      if data['results'].get('pending'):  # Kept until every run is in.
+        print(f'{rel}: not redrawn, runs pending')
+        continue
+      draw(data, DOCS / rel)
+      print(f'drew {DOCS / rel}')
   verb = 'stale' if args.check else 'rewrote'
   print(f'{verb}: {", ".join(map(str, stale)) or "none"}')
   return 1 if args.check and stale else 0
