@@ -25,7 +25,6 @@ extensions = [
     'sphinx.ext.autosummary',
     'sphinx.ext.napoleon',
     'sphinx.ext.mathjax',
-    'sphinx.ext.viewcode',
     'myst_nb',  # Markdown pages (MyST) and notebooks.
     'registry_tables',  # The method tables, generated from the registries.
 ]

@@ -475,7 +475,7 @@ CODECS = Table(
             '``density N`` values + indices (8 B each in fp32 + int32)',
             'large ratios with error feedback', {'density': 0.01}),
         'topk_chunked': Row(
-            'loc_opt.compression.topk_chunked_codec',
+            'loc_opt.compression.sparse.topk_chunked_codec',
             'Sarfi et al., *SparseLoCo*, 2025 (top-k per chunk)',
             '``density N`` values + indices of at most 12 bits (within a '
             'chunk)',
