@@ -70,6 +70,8 @@ def test_every_row_links_a_function_the_api_pages_document(name):
     if not row.api:
       continue
     assert callable(families.load(row.api)), (name, key, row.api)
+    if row.measure:
+      assert callable(families.load(row.measure)), (name, key, row.measure)
     if row.api.startswith('loc_opt.'):
       module, _, attr = row.api.rpartition('.')
       assert row.api in objects or (
@@ -94,6 +96,9 @@ def test_computed_columns_are_the_codes_own_numbers():
   assert codecs['int4'] == '0.516'  # 1/2 + 4/256
   state = {r[1].split("'")[1]: r[4] for r in families.rows('inner')[1:]}
   assert (state['sgd'], state['momentum'], state['adamw']) == ('0', '4', '8')
+  sent = {r[1].split("'")[1]: r[4] for r in families.rows('outer')[1:]}
+  assert (sent['diloco'], sent['noloco']) == ('4', '8')  # fp32; phi + Delta
+  assert sent['demo'] == '0.043'  # 32 of 64 x 64: (4 + 1.5) * 32 / 4096
 
 
 def test_every_table_is_on_a_page_of_the_api_docs():

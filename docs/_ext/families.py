@@ -34,6 +34,9 @@ class Row(NamedTuple):
     use: when to use it.
     kwargs: arguments the computed column builds the entry with (the
       defaults where empty); shown in the config-key cell.
+    measure: dotted path of the library's byte count for the method,
+      ``fn(params) -> bytes`` one worker sends per sync ('' where it has
+      none that takes only the parameters).
   """
 
   api: str
@@ -41,6 +44,7 @@ class Row(NamedTuple):
   bytes: str
   use: str
   kwargs: Mapping[str, Any] = {}
+  measure: str = ''
 
 
 class Table(NamedTuple):
@@ -89,6 +93,17 @@ def _codec_bytes(name: str, row: Row) -> str:
       tree) / _N)
 
 
+def _method_bytes(name: str, row: Row) -> str:
+  """B/param one worker sends per sync for the reference tree, from the
+  method's own byte count (``row.measure``)."""
+  del name
+  if not row.measure:
+    return '--'
+  import jax  # pylint: disable=import-outside-toplevel
+  tree = {'w': jax.ShapeDtypeStruct(_SHAPE, 'float32')}
+  return _fmt(load(row.measure)(tree) / _N)
+
+
 def _state_bytes(name: str, row: Row) -> str:
   """B/param of the inner optimizer's state for the reference tree."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -105,6 +120,7 @@ def _state_bytes(name: str, row: Row) -> str:
 OUTER = Table(
     registry='loc_opt.train.registry:METHODS',
     key='outer.method',
+    computed=('B/param (computed)', _method_bytes),
     rows={
         'data_parallel': Row(
             '', 'baseline: synchronous data parallelism',
@@ -116,8 +132,9 @@ OUTER = Table(
             'loc_opt.outer.diloco', _DILOCO,
             '``4N`` every ``H`` steps (the fp32 pseudo-gradient, one '
             'all-reduce), or the payload of ``outer.codec``',
-            'the default: workers joined by slow links; ``H`` of 30 to '
-            '500, outer Nesterov (0.7, 0.9)'),
+            'the default: workers joined by slow links; ``H`` in the tens '
+            'to hundreds, outer Nesterov (0.7, 0.9)',
+            measure='loc_opt.outer.pseudo_gradient_bytes'),
         'local_sgd': Row(
             'loc_opt.outer.local_sgd',
             'McMahan et al., *Communication-Efficient Learning of Deep '
@@ -125,7 +142,8 @@ OUTER = Table(
             'Converges Fast and Communicates Little*, 2019',
             '``4N`` every ``H`` steps (parameters averaged)',
             'the parameter-averaging baseline: DiLoCo with outer SGD at '
-            'rate 1, no momentum'),
+            'rate 1, no momentum',
+            measure='loc_opt.outer.pseudo_gradient_bytes'),
         'compressed_data_parallel': Row(
             'loc_opt.compression.compressed_all_reduce',
             'the codec\'s (see :doc:`compression`)',
@@ -156,7 +174,8 @@ OUTER = Table(
             'Communication and Computation in DiLoCo*, 2025',
             '``4N`` every ``H`` steps, overlapped with the next round',
             'hide a slow sync behind a round of compute: the local '
-            'pseudo-gradient stands in for the average still in flight'),
+            'pseudo-gradient stands in for the average still in flight',
+            measure='loc_opt.outer.eager_bytes'),
         'noloco': Row(
             'loc_opt.outer.noloco',
             'Kolehmainen et al., *NoLoCo: No-all-reduce Low Communication '
@@ -164,7 +183,8 @@ OUTER = Table(
             '``8N`` (anchor and pseudo-gradient) to each of ``G - 1`` '
             'peers every ``H`` steps; no all-reduce',
             'no global collective: workers average with random peers; '
-            'many workers on slow links'),
+            'many workers on slow links',
+            measure='loc_opt.outer.noloco_bytes'),
         'demo': Row(
             'loc_opt.outer.demo',
             'Peng, Quesnelle, Kingma, *DeMo: Decoupled Momentum '
@@ -173,7 +193,8 @@ OUTER = Table(
             'tile, fp32 value and 12-bit index each: ``0.043N`` at the '
             'defaults (32 of 64 x 64), all-gathered',
             'synchronize every step at a tiny payload; DeMo replaces the '
-            'optimizer (a sign step on the shared fast components)'),
+            'optimizer (a sign step on the shared fast components)',
+            measure='loc_opt.outer.demo_payload_bytes'),
         'sparseloco': Row(
             'loc_opt.outer.sparseloco',
             'Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient '
@@ -182,7 +203,8 @@ OUTER = Table(
             'error-feedback buffer, 2-bit values and 12-bit indices: '
             '``0.055N`` + 20 B per tensor, all-gathered',
             'the smallest payload of the family (about 70x below fp32 '
-            'DiLoCo)'),
+            'DiLoCo)',
+            measure='loc_opt.outer.sparseloco_payload_bytes'),
         'desloc': Row(
             'loc_opt.outer.desloc',
             'Iacob et al., *DES-LOC: Desynced Low Communication Adaptive '
@@ -206,14 +228,16 @@ OUTER = Table(
             '``4N`` + 8 B every ``H`` steps (the pseudo-gradient and its '
             'norm statistics)',
             'loss spikes or a bad worker: pseudo-gradients with anomalous '
-            'norms are down-weighted, clipped or dropped'),
+            'norms are down-weighted, clipped or dropped',
+            measure='loc_opt.outer.edit_bytes'),
         'co2': Row(
             'loc_opt.outer.co2',
             'Sun et al., *CO2: Efficient Distributed Training with Full '
             'Communication-Computation Overlap*, ICLR 2024',
             '``4N`` every ``H`` steps, applied one round stale',
             'overlap the whole all-reduce with the next round; a staleness '
-            'penalty and a clip keep the stale step stable'),
+            'penalty and a clip keep the stale step stable',
+            measure='loc_opt.outer.co2_bytes'),
         'hierarchical_diloco': Row(
             'loc_opt.outer.hierarchical_diloco',
             'Kim et al., *HALoS: Hierarchical Asynchronous Local SGD over '
@@ -231,7 +255,8 @@ OUTER = Table(
             '``4N`` per worker round (its push; a parameter server sends '
             '``4N`` back)',
             'workers of different speeds: nobody waits; Delayed Nesterov '
-            'and DyLU keep the stale pushes stable'),
+            'and DyLU keep the stale pushes stable',
+            measure='loc_opt.outer.push_bytes'),
     },
 )
 
@@ -453,16 +478,19 @@ CODECS = Table(
         'none': Row('loc_opt.compression.identity', 'baseline: fp32', '``4N``',
                     'no compression'),
         **_quant('int8', '``N`` int8', _QUANT,
-                 'a safe 4x: the loss barely moves'),
+                 '4x fewer bytes at no loss cost in :doc:`../benchmarks` '
+                 '(data parallel and DiLoCo)'),
         **_quant('int4', '``N/2`` (4-bit codes)', _QUANT,
-                 '8x, with error feedback'),
+                 '8x: a uniform 4-bit grid (fp4 puts more levels near 0)'),
         **_quant('fp8_e4m3', '``N`` fp8', _FP8, 'as int8, floating point'),
         **_quant('fp8_e5m2', '``N`` fp8', _FP8,
                  'fp8 with a wider range, fewer mantissa bits'),
         **_quant('fp4_e2m1', '``N/2`` fp4', _FP4,
-                 'Streaming DiLoCo\'s 8x (with error feedback)'),
+                 '8x: the microscaling fp4 format, finer near the scale '
+                 'than e3m0'),
         **_quant('fp4_e3m0', '``N/2`` fp4', _STREAMING,
-                 'fp4 with a wider range; Streaming DiLoCo\'s choice'),
+                 '8x: Streaming DiLoCo\'s format; +0.004 loss on DiLoCo\'s '
+                 'pseudo-gradients in :doc:`../benchmarks`'),
         'two_bit': Row(
             'loc_opt.compression.two_bit_codec',
             'Sarfi et al., *SparseLoCo*, 2025 (2-bit values)',
@@ -503,7 +531,9 @@ COMPRESSORS = Table(
             '2019',
             '``4r(n + m)`` per ``n x m`` matrix (two all-reduces); other '
             'leaves ``4N``',
-            'matrices, all-reduce friendly, error feedback built in',
+            'matrices; all-reduce friendly, error feedback built in '
+            '(rank 4: 21x fewer bytes, +0.14 loss untuned in '
+            ':doc:`../benchmarks`)',
             {'rank': 4}),
         'terngrad': Row(
             'loc_opt.compression.terngrad',
