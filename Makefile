@@ -39,7 +39,7 @@ $(DOCS_STAMP): $(STAMP)
 # The notebooks in colabs/ are rendered as stored, not executed.
 docs: $(DOCS_STAMP)
 	rm -rf docs/_build
-	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	$(PY) -m sphinx -b html -W --keep-going -q -j auto docs docs/_build/html
 
 clean:
 	rm -rf $(VENV) workdirs docs/_build
