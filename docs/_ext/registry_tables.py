@@ -30,7 +30,7 @@ class RegistryTable(SphinxDirective):
     try:
       text = families.rst_table(name)
     except (KeyError, ValueError) as e:
-      raise self.error(str(e)) from e
+      raise self.error(e.args[0]) from e
     # Parsed as reStructuredText whatever the page's own markup (MyST
     # pages parse nested content as Markdown), in a document that shares
     # the page's settings, so roles such as :func: resolve.
