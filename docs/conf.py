@@ -22,7 +22,6 @@ copyright = '2026, loc_opt authors'  # pylint: disable=redefined-builtin
 
 extensions = [
     'sphinx.ext.autodoc',
-    'sphinx.ext.autosummary',
     'sphinx.ext.napoleon',
     'sphinx.ext.mathjax',
     'myst_nb',  # Markdown pages (MyST) and notebooks.
@@ -55,7 +54,6 @@ autodoc_typehints_format = 'short'
 autodoc_member_order = 'bysource'
 autodoc_preserve_defaults = True
 autodoc_default_options = {'members': True, 'imported-members': True}
-autosummary_generate = False
 add_module_names = False
 
 html_theme = 'sphinx_book_theme'

@@ -78,6 +78,12 @@ def test_every_row_links_a_function_the_api_pages_document(name):
           module in modules and not attr.startswith('_')), (name, key)
 
 
+def test_rows_with_arguments_name_their_config_field():
+  for table in families.TABLES.values():
+    if any(row.kwargs for row in table.rows.values()):
+      assert table.kwargs_key.startswith(table.key.split('.')[0] + '.')
+
+
 def test_a_missing_or_stale_row_is_an_error_naming_it(monkeypatch):
   rows = dict(families.OUTER.rows)
   rows['not_a_method'] = rows.pop('diloco')

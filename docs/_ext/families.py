@@ -58,6 +58,7 @@ class Table(NamedTuple):
     computed: ``(header, fn)``: a column whose cell is ``fn(name, row)``
       computed from the code, or None.
     first: the header of the first column.
+    kwargs_key: the config field of a row's ``kwargs``.
   """
 
   registry: str
@@ -65,6 +66,7 @@ class Table(NamedTuple):
   rows: Mapping[str, Row]
   computed: tuple[str, Callable[[str, Row], str]] | None = None
   first: str = 'Method'
+  kwargs_key: str = ''
 
 
 _DILOCO = ('Douillard et al., *DiLoCo: Distributed Low-Communication '
@@ -301,6 +303,7 @@ _STATE = ('State (B/param, computed)', _state_bytes)
 INNER = Table(
     registry='loc_opt.inner.registry:OPTIMIZERS',
     key='optimizer.name',
+    kwargs_key='optimizer.kwargs',
     first='Optimizer',
     computed=_STATE,
     rows={
@@ -337,8 +340,9 @@ INNER = Table(
             'Zmushko, Beznosikov, Takáč, Horváth, *FRUGAL: Memory-Efficient '
             'Optimization by Reducing State Overhead for Scalable Training*, '
             'ICML 2025', _LOCAL,
-            'memory: a stateful optimizer on a subspace, signSGD on the '
-            'rest'),
+            'memory: Adam on a subspace, signSGD on the rest (the default '
+            '``projector=\'blockwise\'`` keeps full-size moments here)',
+            {'projector': 'columns'}),
         'fira': Row(
             'loc_opt.inner.fira',
             'Chen et al., *Fira: Can We Achieve Full-rank Training of LLMs '
@@ -472,6 +476,7 @@ def _quant(name: str, bits: str, paper: str, use: str) -> dict[str, Row]:
 CODECS = Table(
     registry='loc_opt.compression.registry:CODECS',
     key='outer.codec',
+    kwargs_key='outer.codec_kwargs',
     first='Codec',
     computed=('B/param (computed)', _codec_bytes),
     rows={
@@ -521,6 +526,7 @@ CODECS = Table(
 COMPRESSORS = Table(
     registry='loc_opt.compression.registry:COMPRESSORS',
     key='outer.codec',
+    kwargs_key='outer.codec_kwargs',
     first='Compressor',
     computed=('B/param (computed)', _codec_bytes),
     rows={
@@ -650,7 +656,7 @@ def rows(name: str) -> list[list[str]]:
     api = f':func:`~{row.api}`' if row.api else 'trainer only'
     config = f'``{table.key}=\'{key}\'``'
     if row.kwargs:
-      config += f' with ``{table.key}_kwargs={dict(row.kwargs)!r}``'
+      config += f' with ``{table.kwargs_key}={dict(row.kwargs)!r}``'
     cells = [api, config, row.paper, row.bytes]
     if table.computed:
       cells.append(table.computed[1](key, row))
