@@ -22,6 +22,7 @@ copyright = '2026, loc_opt authors'  # pylint: disable=redefined-builtin
 
 extensions = [
     'sphinx.ext.autodoc',
+    'sphinx.ext.autosummary',  # The tables of each API page (api-summary).
     'sphinx.ext.napoleon',
     'sphinx.ext.mathjax',
     'myst_nb',  # Markdown pages (MyST) and notebooks.
@@ -53,6 +54,7 @@ autodoc_typehints = 'description'
 autodoc_typehints_format = 'short'
 autodoc_member_order = 'bysource'
 autodoc_preserve_defaults = True
+autosummary_generate = False  # The entries are on the page, by automodule.
 autodoc_default_options = {'members': True, 'imported-members': True}
 add_module_names = False
 
