@@ -26,8 +26,7 @@ class Row(NamedTuple):
   """What the docs say of one registry entry.
 
   Attributes:
-    api: dotted path of the library function ('' where only the trainer
-      builds it).
+    api: dotted path of the library function ('' where there is none).
     paper: the reference (authors, *title*, year), or what it is if it is a
       baseline.
     bytes: bytes one worker sends per sync, in ``N`` parameters.
@@ -129,7 +128,7 @@ OUTER = Table(
             'the fp32 gradient all-reduced every step (GSPMD picks the '
             'collectives), not once per ``H`` steps',
             'the reference every method is measured against; all devices '
-            'on fast links'),
+            'on fast links (the trainer runs the inner optimizer alone)'),
         'diloco': Row(
             'loc_opt.outer.diloco', _DILOCO,
             '``4N`` every ``H`` steps (the fp32 pseudo-gradient, one '
@@ -499,7 +498,7 @@ CODECS = Table(
         'two_bit': Row(
             'loc_opt.compression.two_bit_codec',
             'Sarfi et al., *SparseLoCo*, 2025 (2-bit values)',
-            '``N/4`` + 20 B per 256 values (mean, spread, table)',
+            '``N/4`` + 20 B per 256 values (the mean and a 4-entry table)',
             '16x before the metadata, with error feedback'),
         'topk': Row(
             'loc_opt.compression.topk_codec',
@@ -638,10 +637,6 @@ def check(name: str) -> Table:
   return table
 
 
-def _cell(text: str) -> str:
-  return text.replace('|', r'\|')
-
-
 def rows(name: str) -> list[list[str]]:
   """The header and one row per registered name (reStructuredText cells),
   in the registry's order."""
@@ -653,7 +648,7 @@ def rows(name: str) -> list[list[str]]:
   out = [header]
   for key in registry_names(table):
     row = table.rows[key]
-    api = f':func:`~{row.api}`' if row.api else 'trainer only'
+    api = f':func:`~{row.api}`' if row.api else '--'
     config = f'``{table.key}=\'{key}\'``'
     if row.kwargs:
       config += f' with ``{table.kwargs_key}={dict(row.kwargs)!r}``'
@@ -661,7 +656,7 @@ def rows(name: str) -> list[list[str]]:
     if table.computed:
       cells.append(table.computed[1](key, row))
     cells.append(row.use)
-    out.append([_cell(c) for c in cells])
+    out.append(cells)
   return out
 
 
