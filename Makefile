@@ -1,11 +1,13 @@
-# Two entry points: `make demo` (set up, then run the default experiment) and
-# `make test` (set up, then run the test suite). Both are idempotent.
+# Entry points: `make demo` (set up, then run the default experiment),
+# `make test` (set up, then run the test suite) and `make docs` (set up with
+# the docs extra, then build the HTML docs). All are idempotent.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 WORKDIR ?= workdirs/demo
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test docs clean
 
 setup: $(STAMP)
 
@@ -27,5 +29,17 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
+# The docs toolchain (Sphinx, MyST-NB, the theme) is installed here only, so
+# `make test` does not need it.
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	@touch $(DOCS_STAMP)
+
+# HTML in docs/_build/html, built from scratch; any warning fails the build.
+# The notebooks in colabs/ are rendered as stored, not executed.
+docs: $(DOCS_STAMP)
+	rm -rf docs/_build
+	$(PY) -m sphinx -b html -W --keep-going -q -j auto docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) workdirs
+	rm -rf $(VENV) workdirs docs/_build

@@ -322,8 +322,10 @@ def unsourced_tables(text: str) -> list[tuple[str, int]]:
 
 
 def docs_pages(docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
-  """The Markdown pages of ``docs`` (and its subfolders)."""
-  return sorted(docs.rglob('*.md'))
+  """The Markdown pages of ``docs`` and its subfolders (not the Sphinx
+  build's)."""
+  return sorted(p for p in docs.rglob('*.md')
+                if '_build' not in p.relative_to(docs).parts)
 
 
 def main(argv: list[str] | None = None) -> int:

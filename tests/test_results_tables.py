@@ -70,6 +70,8 @@ HAND_WRITTEN = {
     ('faults.md', '| run | syncs | workers left out | final eval loss | vs. '
      'no dropout |'): NOT_REGENERATED,
     ('multihost.md', '| flag | behaviour |'): REFERENCE,
+    ('api/parallel_train.md', '| Piece | Paper | Config key | Bytes per '
+     'sync, per worker | When to use |'): REFERENCE,
     ('resilience.md', '| item | what |'): REFERENCE,
     ('resilience.md', '| | bytes |'): NOT_REGENERATED,
     ('robust_aggregation.md', '| `aggregate` | what it computes | wire cost '

@@ -51,7 +51,7 @@ class MLPConfig:
 
 
 class MLP(nnx.Module):
-  """Dense layers ``dense_0 ... dense_{L-1}`` with GELU in between.
+  """Dense layers ``dense_0`` to ``dense_{L-1}`` with GELU in between.
 
   Build it under ``nnx.use_eager_sharding(False)`` (or a mesh with ``'fsdp'``
   and ``'tensor'`` axes): the sharding annotations are otherwise applied

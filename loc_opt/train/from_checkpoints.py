@@ -147,9 +147,9 @@ def merge_and_evaluate(
       ``loc_opt.schedules.wsm_coefficients(k, 'linear')``.
 
   Returns:
-    ``{'eval_loss': float, 'steps': [...], 'coefficients': [...],
-    'params': merged weights}`` (laid out like the train state's params, with
-    the worker axis for local-update methods).
+    A dict with ``'eval_loss'`` (a float), ``'steps'``, ``'coefficients'``
+    and ``'params'``: the merged weights, laid out like the train state's
+    params (with the worker axis for local-update methods).
 
   Raises:
     ValueError: for bad ``steps`` or ``coefficients``.
