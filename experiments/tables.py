@@ -82,7 +82,7 @@ def source_line(name: str, data: dict[str, Any]) -> str:
           f'{pk["flax"]}, optax {pk["optax"]}; {dev["device_count"]} x '
           f'{dev["device_kind"]} devices, {dev["host_cpus"]} host CPUs. '
           f'Regenerate: `python -m experiments.regenerate --workdir=DIR '
-          f'--only={name}`.')
+          f'--only={data.get("benchmark", name)}`.')
   return textwrap.fill(text, 79, break_on_hyphens=False,
                        break_long_words=False)
 
@@ -226,6 +226,9 @@ def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
+    # Rows of the family trained by a second process beside the first
+    # (another workdir); folded into diloco_family once all are rerun.
+    ('diloco_family_tail', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
     ('goodput', 'main'): goodput_main,
 }
