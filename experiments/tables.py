@@ -226,9 +226,6 @@ def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
-    # Rows of the family trained by a second process beside the first
-    # (another workdir); folded into diloco_family once all are rerun.
-    ('diloco_family_tail', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
     ('goodput', 'main'): goodput_main,
 }

@@ -29,10 +29,6 @@ PRINTED = ('printed by the benchmark in the same run that wrote the results '
 # (page under docs/, header row) -> why the table is typed by hand. Every
 # table with that header on that page is covered.
 HAND_WRITTEN = {
-    ('benchmarks.md', '| run | final eval loss | total cross-worker bytes | '
-     'peak bytes / step | time @1 Gbit/s (util) | time @100 Gbit/s (util) | '
-     'projected @1 Gbit/s (util) | projected @100 Gbit/s (util) |'):
-        NOT_REGENERATED,
     ('benchmarks.md', '| program | median step (60 steps, alternating blocks '
      'of 5) | cross-worker bytes / step |'): NOT_REGENERATED,
     ('benchmarks.md', '| run | final eval loss | cross-worker bytes | vs its '
