@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt
 
 COLABS = pathlib.Path(__file__).parent.parent / 'colabs'
 NOTEBOOKS = sorted(COLABS.glob('*.ipynb'))
-BADGE = 'https://colab.research.google.com/github/loc-opt/loc_opt/blob/main/colabs/'
+BADGE = ('https://colab.research.google.com/github/loc-opt/loc_opt/blob/main/'
+         'colabs/')
 LN256 = math.log(256)  # a uniform guess over bytes
 
 
@@ -137,8 +138,9 @@ def _check_diloco_family(ns, out):
   for r in (fp4, stream, sparse):
     assert r['phase_bytes'][False] == 0  # inner steps stay local
   assert 7.5 < fp32 / fp4['phase_bytes'][True] < 8.0
-  sends = [b for ph, b in stream['phase_bytes'].items() if ph and ph[0] is not None]
-  applies = [b for ph, b in stream['phase_bytes'].items() if ph and ph[0] is None]
+  phases = stream['phase_bytes'].items()
+  sends = [b for ph, b in phases if ph and ph[0] is not None]
+  applies = [b for ph, b in phases if ph and ph[0] is None]
   assert len(sends) == ns['P'] and sum(sends) == fp32  # fragments partition
   assert max(sends) < fp32 and set(applies) == {0}
   assert sparse['phase_bytes'][True] < fp4['phase_bytes'][True] / 4
@@ -193,7 +195,8 @@ def test_notebook_runs(path, monkeypatch, capsys):
   optimize = jax.config.read('jax_disable_most_optimizations')
   jax.config.update('jax_disable_most_optimizations', True)
   try:
-    exec(compile(code_of(path), str(path), 'exec'), namespace)  # pylint: disable=exec-used
+    program = compile(code_of(path), str(path), 'exec')
+    exec(program, namespace)  # noqa: S102
   finally:
     jax.config.update('jax_disable_most_optimizations', optimize)
     plt.close('all')
