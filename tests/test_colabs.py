@@ -70,8 +70,8 @@ def _check_compression(ns, out):
   results, nparams = ns['results'], ns['model'].num_params
   # fp32: each element crosses workers once per worker (worker_mean).
   assert results['fp32']['bytes'] == 4 * nparams
-  # The compiled programs move what each codec's formula says (the sync
-  # also all-reduces a few scalars: the count of present workers).
+  # The compiled programs move what each codec's formula says, up to the
+  # padding to whole blocks on each of a worker's 2 devices.
   for name, r in results.items():
     assert r['theory'] <= r['bytes'] <= r['theory'] * 1.02, (name, r)
   ratio = {name: 4 * nparams / r['bytes'] for name, r in results.items()}
@@ -192,13 +192,13 @@ def test_notebook_runs(path, monkeypatch, capsys):
   # them without LLVM's optimizations saves a quarter of the test's time
   # (the HLO passes, hence the collectives read from the programs, are the
   # same).
-  optimize = jax.config.read('jax_disable_most_optimizations')
+  previous = jax.config.read('jax_disable_most_optimizations')
   jax.config.update('jax_disable_most_optimizations', True)
   try:
     program = compile(code_of(path), str(path), 'exec')
     exec(program, namespace)  # noqa: S102
   finally:
-    jax.config.update('jax_disable_most_optimizations', optimize)
+    jax.config.update('jax_disable_most_optimizations', previous)
     plt.close('all')
   check(namespace, capsys.readouterr().out)
 
@@ -209,8 +209,12 @@ def test_notebook_format(path):
   and an install cell."""
   nb = json.loads(path.read_text())
   assert nb['nbformat'] == 4
-  nbformat = pytest.importorskip('nbformat')
-  nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
+  try:
+    import nbformat  # pylint: disable=g-import-not-at-top
+  except ImportError:  # not a test dependency; the checks below still run
+    nbformat = None
+  if nbformat is not None:
+    nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
   cells = nb['cells']
   assert cells[0]['cell_type'] == 'markdown'
   assert BADGE + path.name in ''.join(cells[0]['source'])
