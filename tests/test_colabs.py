@@ -175,7 +175,7 @@ CHECKS = {
     # Spikes on updates 39 and 66: after SPAM's 20-step clip delay.
     'inner_optimizers_spikes': ({'LOC_OPT_COLAB_STEPS': '100'},
                                 _check_inner_optimizers_spikes),
-    # Long enough for the decays to matter (1,200 steps of a tiny MLP).
+    # The default length: long enough for the decays to matter.
     'schedules': ({'LOC_OPT_COLAB_STEPS': '200'}, _check_schedules),
     'diloco_family': ({'LOC_OPT_COLAB_STEPS': '40'}, _check_diloco_family),
 }
