@@ -229,6 +229,8 @@ def called_computations(ins: Instr) -> list[str]:
   condition, conditional branches, async and reduction computations)."""
   out = []
   for key in _CALL_KEYS:
+    if f'{key}=' not in ins.attrs:
+      continue
     value = attr(ins.attrs, key)
     if not value:
       continue
@@ -239,6 +241,8 @@ def called_computations(ins: Instr) -> list[str]:
 
 def control_predecessors(ins: Instr) -> list[str]:
   """Names in `ins`'s `control-predecessors={...}` (must run before it)."""
+  if 'control-predecessors=' not in ins.attrs:
+    return []
   value = attr(ins.attrs, 'control-predecessors')
   if not value or value[0] != '{':
     return []

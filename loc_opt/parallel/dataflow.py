@@ -14,9 +14,12 @@ scheduler on GPU and TPU; on CPU collectives run synchronously).
 
 The analysis is conservative: an instruction that calls computations
 (fusion, while, conditional, call) counts as a whole, so everything inside
-a reached loop or branch is reached, and a reached element of a tuple
-reaches the whole tuple. It may report a dependence that is not there,
-never miss one. Edges are operands and ``control-predecessors``.
+a reached fusion, loop or branch is reached, and a reached element of a
+tuple reaches the whole tuple. It may report a dependence that is not
+there, never miss one. Edges are operands and ``control-predecessors``;
+a collective inside a branch or loop is followed out through the
+conditional's or loop's result (and in through the operand that feeds
+its branch, with the branch index).
 
 Example::
 
@@ -101,14 +104,20 @@ class _Graph:
     self.calls: dict[tuple[str, str], list[str]] = {}
     self.root: dict[str, str] = {}
     self.params: dict[str, set[str]] = {}
+    self._deep: dict[str, frozenset[tuple[str, str]]] = {}
+    self.operands: dict[tuple[str, str], list[str]] = {}
+    self.param_index: dict[tuple[str, str], int] = {}
     for comp, instrs in comps.items():
       names = {i.name for i in instrs}
       for ins in instrs:
         key = (comp, ins.name)
         self.nodes[key] = Node(ins.name, ins.opcode, comp,
                                hlo_text.op_name(ins))
-        preds = [hlo_text.operand(x)[1] for x in ins.operands]
-        preds += hlo_text.control_predecessors(ins)
+        operands = [hlo_text.operand(x)[1] for x in ins.operands]
+        self.operands[key] = operands
+        if ins.opcode == 'parameter':
+          self.param_index[key] = int(ins.operands[0])
+        preds = operands + hlo_text.control_predecessors(ins)
         preds = [p for p in preds if p in names]
         self.preds[key] = preds
         for p in preds:
@@ -124,46 +133,68 @@ class _Graph:
 
   def contents(self, comp: str, seen: set[tuple[str, str]]) -> None:
     """Adds every instruction of ``comp`` and of what it calls."""
-    for ins in self.comps[comp]:
-      key = (comp, ins.name)
-      if key not in seen:
-        seen.add(key)
-        for c in self.calls[key]:
-          self.contents(c, seen)
+    seen |= self.deep(comp)
+
+  def deep(self, comp: str) -> frozenset[tuple[str, str]]:
+    """The instructions of ``comp`` and of the computations it calls."""
+    if comp not in self._deep:
+      keys = set()
+      for ins in self.comps[comp]:
+        keys.add((comp, ins.name))
+        for c in self.calls[(comp, ins.name)]:
+          keys |= self.deep(c)
+      self._deep[comp] = frozenset(keys)
+    return self._deep[comp]
 
   def reach(self, start: tuple[str, str], forward: bool
             ) -> set[tuple[str, str]]:
     """Instructions reached from ``start`` (itself excluded) along users
     (``forward``) or operands, leaving a computation through its root
-    (forward) or its parameters (backward) to every caller."""
+    (forward: the caller's result) or a parameter (backward: the caller's
+    operand that feeds it; for a conditional branch, also the branch
+    index). A ``while`` body or condition left either way brings in all
+    of the loop (its other iterations)."""
     seen: set[tuple[str, str]] = set()
     todo = [start]
-    left: set[str] = set()  # computations already left through callers
     while todo:
       comp, name = todo.pop()
       nxt = (self.users.get((comp, name), []) if forward
              else self.preds[(comp, name)])
       for n in nxt:
-        key = (comp, n)
-        if key not in seen:
-          seen.add(key)
-          todo.append(key)
-          for c in self.calls[key]:
-            self.contents(c, seen)
+        self._add((comp, n), seen, todo)
       exits = (name == self.root.get(comp) if forward
                else name in self.params.get(comp, ()))
-      if exits and comp not in left:
-        left.add(comp)
-        for caller in self.callers.get(comp, ()):
-          if forward and caller not in seen:
-            seen.add(caller)
-            todo.append(caller)
-          elif not forward:
-            todo.append(caller)  # its operands feed this computation
+      if not exits:
+        continue
+      for caller in self.callers.get(comp, ()):
+        parent = caller[0]
+        opcode = self.nodes[caller].opcode
+        if forward:
+          self._add(caller, seen, todo)
+        else:
+          ops = self.operands[caller]
+          k = self.param_index[(comp, name)]
+          if opcode == 'conditional':
+            picks = [0, self.calls[caller].index(comp) + 1]
+          else:
+            picks = [k] if k < len(ops) else range(len(ops))
+          for i in picks:
+            if i < len(ops):
+              self._add((parent, ops[i]), seen, todo)
+        if opcode == 'while':
           for c in self.calls[caller]:
-            self.contents(c, seen)  # a loop's later iterations, branches
+            self.contents(c, seen)
     seen.discard(start)
     return seen
+
+  def _add(self, key, seen, todo) -> None:
+    """Marks ``key`` reached (with what it calls) and queues it."""
+    if key in seen or key not in self.nodes:
+      return
+    seen.add(key)
+    todo.append(key)
+    for c in self.calls[key]:
+      self.contents(c, seen)
 
 
 def collective_dataflow(
@@ -189,13 +220,10 @@ def collective_dataflow(
   Raises:
     ValueError: as :func:`loc_opt.parallel.collective_bytes`.
   """
-  if isinstance(program, jax.stages.Lowered):
-    program = program.compile()
-  report = hlo_lib.collective_bytes(program, mesh, worker_axis=worker_axis)
-  text = (program.as_text() if isinstance(program, jax.stages.Compiled)
-          else program)
-  _, comps, _ = hlo_text.parse_module(text)
-  graph = _Graph(comps)
+  text, order = hlo_lib.read_program(program)
+  parsed = hlo_text.parse_module(text)
+  report = hlo_lib.report_of(parsed, mesh, worker_axis, order)
+  graph = _Graph(parsed[1])
   where = {name: (comp, name) for comp, name in graph.nodes}
   out = []
   for c in report.collectives:

@@ -43,6 +43,18 @@ _SCOPE = re.compile(rf'{STEP_SCOPE}(\d+)(?:_(\d+))?(?![\d_])')
 
 Step = Callable[[Any, Any, Hashable], tuple[Any, Any]]
 
+# Compile a window with these (``lowered.compile(compiler_options=...)``).
+# XLA's all-reduce combiner merges independent all-reduces into one: in a
+# window it merges the sync step's small within-worker reductions (the
+# finiteness flags that gate the mean, the data-parallel gradient sums)
+# with those of the later steps, so the sync's collective then waits for
+# the later steps' backward pass (``collective_dataflow`` shows it on
+# CPU). The window programs run without it: ``all-reduce-combiner`` on
+# GPU and TPU, ``cpu-all-reduce-combiner`` on CPU (an unknown pass name is
+# ignored).
+COMPILER_OPTIONS = {
+    'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner'}
+
 
 def step_scope(first: int, last: int | None = None) -> str:
   """The name scope of step ``first`` (or of the scanned steps ``first ..
@@ -94,7 +106,7 @@ def overlap_window(step: Step, phases: Sequence[Hashable], *,
   Put the step that issues a collective first and the steps that should
   overlap it after it: when the collective's result is read only by a later
   step's last part (or only returned), the compiled program lets them run
-  concurrently. ``step`` may be a per-worker step (wrap the window in
+  concurrently. Compile it with :data:`COMPILER_OPTIONS`. ``step`` may be a per-worker step (wrap the window in
   :func:`loc_opt.parallel.shard_map_workers` or :func:`vmap_workers`) or
   an already mapped one.
 

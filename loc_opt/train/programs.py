@@ -270,7 +270,8 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
                    in_shardings=(shardings, (abstract_batch.sharding,) * k),
                    out_shardings=(shardings, loss_sharding),
                    donate_argnums=0)
-    return _compile(step, method, mesh, abstract_state, (abstract_batch,) * k)
+    return _compile(step, method, mesh, abstract_state, (abstract_batch,) * k,
+                    parallel.overlap.COMPILER_OPTIONS)
 
   steps = StepPrograms(compile_phase, phases)
   # The run's programs are compiled now (so throughput excludes compiling),
@@ -290,15 +291,16 @@ def _last_loss(out):
   return state, losses[-1]
 
 
-def _compile(step, method, mesh, abstract_state, abstract_batch):
-  """The compiled ``step`` and its collectives."""
+def _compile(step, method, mesh, abstract_state, abstract_batch,
+             options=None):
+  """The compiled ``step`` and its collectives (``options``: XLA's)."""
   # A method without a worker axis (data parallel) is traced with the mesh
   # in context, so that the model's activation constraints apply as they
   # do inside ``shard_map`` (there the mesh comes with the shard_map).
   with (contextlib.nullcontext() if method.per_worker
         else jax.set_mesh(mesh)):
     lowered = step.lower(abstract_state, abstract_batch)
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=options)
   return compiled, parallel.collective_bytes(compiled, mesh)
 
 
