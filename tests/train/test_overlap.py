@@ -1,5 +1,7 @@
 """The trainer's overlapped programs (``outer.overlap='compiled'``)."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,8 @@ import pytest
 from loc_opt import parallel
 from loc_opt import train
 from loc_opt.parallel import overlap
+from loc_opt.train import checkpoint as ckpt_lib
+from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
@@ -80,3 +84,16 @@ def test_overlap_accepted_for_round_overlap_methods(data_dir, method):
   config = tiny_config(data_dir, **{'outer.overlap': 'compiled',
                                     'outer.method': method})
   train.validate_config(config, jax.device_count())
+
+
+def test_overlap_may_change_on_resume(data_dir):
+  # A run saved before the field existed, or with the other value,
+  # resumes: the windows give the numbers of one program per step.
+  saved = json.loads(cfg_lib.config_to_json(tiny_config(data_dir)))
+  del saved['outer']['overlap']
+  for mode in ('none', 'compiled'):
+    current = json.loads(cfg_lib.config_to_json(
+        tiny_config(data_dir, **{'outer.overlap': mode})))
+    assert ckpt_lib.resume_diffs(saved, current) == []
+  current['outer']['sync_every'] = 8
+  assert ckpt_lib.resume_diffs(saved, current)
