@@ -106,7 +106,8 @@ def overlap_window(step: Step, phases: Sequence[Hashable], *,
   Put the step that issues a collective first and the steps that should
   overlap it after it: when the collective's result is read only by a later
   step's last part (or only returned), the compiled program lets them run
-  concurrently. Compile it with :data:`COMPILER_OPTIONS`. ``step`` may be a per-worker step (wrap the window in
+  concurrently; compile it with :data:`COMPILER_OPTIONS`. ``step`` may be
+  a per-worker step (wrap the window in
   :func:`loc_opt.parallel.shard_map_workers` or :func:`vmap_workers`) or
   an already mapped one.
 
