@@ -154,6 +154,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.aggregate = 'mean'
   c.outer.aggregate_trim = 1  # trimmed_mean: values dropped at each end.
   c.outer.aggregate_clip = 1.0  # norm_clipped_mean: bound / median norm.
+  # How a sync overlaps the steps after it (streaming_diloco with overlap
+  # > 0, eager_diloco, co2): 'none' (one program per step; the overlap is
+  # in the numerics and the wall-clock model only) or 'compiled' (the sync
+  # step and the steps that overlap its collective run as one program, so
+  # XLA may hide the transfer behind them; same numbers). docs/overlap.md.
+  c.outer.overlap = 'none'
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function

@@ -269,6 +269,13 @@ def collective_bytes(
     report = collective_bytes(jax.jit(f).lower(x).compile(), mesh)
     report.cross_worker_bytes, report.branches
   """
+  text, order = read_program(program)
+  return report_of(hlo_text.parse_module(text), mesh, worker_axis, order)
+
+
+def read_program(program) -> tuple[str, list[int] | None]:
+  """``(optimized HLO text, device order or None)`` of a program given as
+  in :func:`collective_bytes`."""
   order = None
   if isinstance(program, jax.stages.Lowered):
     program = program.compile()
@@ -283,7 +290,12 @@ def collective_bytes(
       'program must be a jax.stages.Compiled, jax.stages.Lowered or str, '
       f'got {type(program).__name__}'
     )
-  header, comps, entry = hlo_text.parse_module(program)
+  return program, order
+
+
+def report_of(parsed, mesh, worker_axis, order) -> CollectiveReport:
+  """The :class:`CollectiveReport` of ``hlo_text.parse_module``'s output."""
+  header, comps, entry = parsed
   replicas = int(hlo_text.attr(header, 'replica_count') or 1)
   partitions = int(hlo_text.attr(header, 'num_partitions') or 1)
   n = replicas * partitions

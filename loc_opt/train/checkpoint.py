@@ -61,8 +61,9 @@ from loc_opt.train import registry
 # worker speeds drive async local SGD's and Decoupled DiLoCo's numerics.
 _MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',
                'num_steps', 'data', 'faults', 'wallclock.worker_speeds')
+# outer.overlap groups steps into programs, with the same numbers.
 _RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size',
-                      'faults.max_bad_steps')
+                      'faults.max_bad_steps', 'outer.overlap')
 
 # A branch must continue the same training problem and the same state
 # layout: everything under these fields must match, except the fields of
@@ -74,7 +75,8 @@ _BRANCH_MUST_MATCH = ('model', 'mesh', 'data', 'batch_size', 'seed',
                       'outer', 'optimizer')
 _BRANCH_MAY_DIFFER = ('optimizer.learning_rate', 'optimizer.schedule',
                       'optimizer.schedule_kwargs', 'outer.sync_every',
-                      'outer.sync_schedule', 'outer.sync_schedule_kwargs')
+                      'outer.sync_schedule', 'outer.sync_schedule_kwargs',
+                      'outer.overlap')
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:

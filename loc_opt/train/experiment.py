@@ -130,6 +130,34 @@ def _check_method(config) -> None:
   _check_syncs(config, method.plan(config))
   if method.per_worker:
     cfg_lib.make_compressor(config)
+  _check_overlap(config, method)
+
+
+# Methods whose sync's result is read only some steps later.
+_OVERLAPPED = ('streaming_diloco (outer.streaming_diloco.overlap > 0), '
+               'eager_diloco, co2')
+
+
+def _check_overlap(config, method) -> None:
+  """``outer.overlap``: 'none', or 'compiled' for a method whose sync's
+  collective may overlap the steps after it (``Method.overlap_steps``)."""
+  mode = config.outer.get('overlap', 'none')
+  if mode not in ('none', 'compiled'):
+    raise ValueError(f"outer.overlap must be 'none' or 'compiled', got "
+                     f'{mode!r}')
+  if mode == 'none':
+    return
+  name = config.outer.method
+  if method.step_inputs is not None:  # a simulated timeline of learners
+    raise ValueError(
+        f"outer.overlap='compiled': outer.method={name!r} runs on a "
+        'simulated timeline of learners, not one collective per sync; '
+        f'methods that support it: {_OVERLAPPED}')
+  if not method.per_worker or method.overlap_steps(config) <= 0:
+    raise ValueError(
+        f"outer.overlap='compiled': outer.method={name!r} reads every "
+        'sync\'s result at once, so no step can overlap its collective; '
+        f'methods that support it: {_OVERLAPPED}')
 
 
 def _check_dropout(config) -> None:
