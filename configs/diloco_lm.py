@@ -154,6 +154,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.aggregate = 'mean'
   c.outer.aggregate_trim = 1  # trimmed_mean: values dropped at each end.
   c.outer.aggregate_clip = 1.0  # norm_clipped_mean: bound / median norm.
+  # Where the outer state (anchor, outer momentum) lives between syncs
+  # (diloco, local_sgd; docs/sharding.md): 'replicated' (every worker holds
+  # it whole), 'sharded' (each worker holds its 1/workers: reduce-scatter,
+  # outer step on the shard, all-gather; ZeRO stage 1; no codec, robust
+  # rule or change of mesh.workers on resume) or 'offloaded' (replicated,
+  # in pinned host memory, moved to the device only by the sync program).
+  c.outer.state_layout = 'replicated'
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function
