@@ -95,36 +95,105 @@ def shard_tree(tree: Any, axis_name: str) -> Any:
   return jax.tree.map(one, tree)
 
 
-def gather_tree(shards: Any, like: Any, axis_name: str) -> Any:
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, jax.P)
+
+
+def _block_specs(like: Any, specs: Any, num_workers: int) -> list[Any]:
+  """Per leaf of ``like``: its spec inside the worker when the leaf can
+  run its collectives on each device's block, manual over the mesh axes
+  inside a worker, else None.
+
+  A block holds the same rows of the worker's shard as the strided layout
+  when the leaf's rows split over its spec's leading axes into blocks of a
+  multiple of ``M`` rows (device ``k``'s block, rows ``i, i + M, ...`` of
+  it, is then the ``k``-th block of worker ``i``'s shard).
+  """
+  leaves = jax.tree.leaves(like)
+  if specs is None:
+    return [None] * len(leaves)
+  specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+  if len(specs) != len(leaves):
+    raise ValueError(f'param_specs has {len(specs)} leaves, the parameters '
+                     f'{len(leaves)}')
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(mesh.axis_names) - set(mesh.manual_axes):
+    return [None] * len(leaves)
+  out = []
+  for x, spec in zip(leaves, specs):
+    entry = spec[0] if spec else None
+    names = () if entry is None else (
+        (entry,) if isinstance(entry, str) else tuple(entry))
+    split = 1
+    for name in names:
+      split *= mesh.shape[name]
+    ok = x.ndim > 0 and x.shape[0] % (split * num_workers) == 0
+    out.append(spec if ok else None)
+  return out
+
+
+def _map_leaves(fn, specs: list[Any], *trees, extra=()) -> Any:
+  """``fn(*leaves, *extra)`` per leaf of ``trees``; where the leaf's spec
+  is set, under a ``shard_map`` manual over the axes inside the worker
+  (each device on its block; ``extra`` replicated)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  structure = jax.tree.structure(trees[0])
+  out = []
+  for spec, *leaves in zip(specs, *map(jax.tree.leaves, trees)):
+    if spec is None:
+      out.append(fn(*leaves, *extra))
+      continue
+    inner = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    out.append(jax.shard_map(
+        fn, in_specs=(spec,) * len(leaves) + (jax.P(),) * len(extra),
+        out_specs=spec, axis_names=inner)(*leaves, *extra))
+  return jax.tree.unflatten(structure, out)
+
+
+def gather_tree(shards: Any, like: Any, axis_name: str, *,
+                param_specs: Any = None) -> Any:
   """The full leaves (shapes of ``like``) from every worker's rows: one
-  all-gather per leaf, the padding dropped."""
+  all-gather per leaf, the padding dropped. With ``param_specs`` (see
+  :func:`scatter_delta`), per device block where the rows allow."""
+  m = jax.lax.axis_size(axis_name)
 
   def one(s, x):
     full = jax.lax.all_gather(s, axis_name, axis=1)
     full = full.reshape(-1, *full.shape[2:])
     return full[:x.shape[0] if x.ndim else 1].reshape(x.shape)
 
-  return jax.tree.map(one, shards, like)
+  return _map_leaves(one, _block_specs(like, param_specs, m), shards, like)
 
 
 def scatter_delta(anchor: Any, local: Any, included: jax.Array,
-                  axis_name: str) -> Any:
+                  axis_name: str, *, param_specs: Any = None) -> Any:
   """This worker's shard of the pseudo-gradient mean over the workers
   where ``included`` holds: ``phi_i - sum_i(theta') / count`` (zero when no
   worker is included), by a reduce-scatter of the local parameters in the
-  anchor's dtypes and a scalar all-reduce of the count."""
+  anchor's dtypes and a scalar all-reduce of the count.
+
+  ``param_specs``: the parameters' specs over the mesh axes inside a
+  worker (a tree of ``jax.P`` like ``local``), when this runs in a
+  ``shard_map`` manual over the worker axis only. A leaf whose rows split
+  over its spec's leading axes into blocks of a multiple of ``M`` rows
+  then reduce-scatters each device's block under a ``shard_map`` manual
+  over those axes too: each device sends its block, where GSPMD would
+  gather the leaf inside the worker first and every device would send it
+  whole. Same values, same layout of the shards.
+  """
   m = jax.lax.axis_size(axis_name)
   count = jax.lax.psum(included.astype(jnp.float32), axis_name)
-  scale = jnp.where(count > 0, 1 / jnp.maximum(count, 1.), 0.)
 
-  def one(a, x):
+  def one(a, x, included, count):
+    scale = jnp.where(count > 0, 1 / jnp.maximum(count, 1.), 0.)
     x = jnp.where(included, x.astype(a.dtype), jnp.zeros((), a.dtype))
     total = jax.lax.psum_scatter(_grouped(x, m), axis_name,
                                  scatter_dimension=1)
     return jnp.where(count > 0, a - (total * scale).astype(a.dtype),
                      jnp.zeros_like(a))
 
-  return jax.tree.map(one, anchor, local)
+  return _map_leaves(one, _block_specs(local, param_specs, m), anchor, local,
+                     extra=(included, count))
 
 
 def _leaf_bytes(param: Any, layout: str, num_workers: int,

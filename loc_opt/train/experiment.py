@@ -299,9 +299,10 @@ def build_experiment(config: ml_collections.ConfigDict,
     mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
                                      config.mesh.fsdp, config.mesh.tensor)
   state_layout = cfg_lib.state_layout(config)
-  method = outer_layout.for_layout(registry.get_method(config.outer.method),
-                                   state_layout)
   model = models.build_model(config.model)
+  method = outer_layout.for_layout(registry.get_method(config.outer.method),
+                                   state_layout,
+                                   state_lib.param_specs(model, mesh))
   lr_schedule = cfg_lib.lr_schedule(config)
   plan = method.plan(config)
   tx = method.build(config, cfg_lib.make_inner(config, lr_schedule),

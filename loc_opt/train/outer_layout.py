@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from loc_opt import models
 from loc_opt import outer as outer_lib
 from loc_opt import parallel
 from loc_opt.train import config as cfg_lib
@@ -68,29 +69,41 @@ def check(config: ml_collections.ConfigDict, method: Method,
   return layout
 
 
-def _sharded_eval(opt_state, params):
+def param_specs(config: ml_collections.ConfigDict) -> Any:
+  """The model's parameter specs over the mesh axes inside a worker: the
+  ``param_specs`` of ``loc_opt.diloco(outer_state_layout='sharded')``, so
+  that each device reduce-scatters and all-gathers its own block."""
+  return models.resolve_specs(models.build_model(config.model).specs,
+                              parallel.AXES)
+
+
+def _sharded_eval(opt_state, params, *, specs):
   # The anchor's shards, all-gathered over the workers (under the worker
-  # map, as the trainer's programs call it).
+  # map, as the trainer's programs call it), by device blocks as the sync
+  # gathers them (so that a sync's reset of a non-finite worker reuses the
+  # sync's gather).
   return outer_lib.diloco_eval_params(opt_state, params,
                                       outer_state_layout='sharded',
-                                      axis_name=parallel.WORKER)
+                                      axis_name=parallel.WORKER,
+                                      param_specs=specs)
 
 
-def for_layout(method: Method, layout: str) -> Method:
+def for_layout(method: Method, layout: str, specs: Any = None) -> Method:
   """``method`` as the trainer runs it under ``layout``.
 
   Under ``'sharded'`` the outer fields hold each worker's own shard: they
   leave ``shared_fields`` (the fault skip, the checkpoint layout), the
   evaluation weights gather the anchor's shards (DiLoCo's state, the one
-  library layout that shards), and the method is not elastic. The other
-  layouts keep the method as it is.
+  library layout that shards; ``specs``: :func:`param_specs`), and the
+  method is not elastic. The other layouts keep the method as it is.
   """
   if layout != 'sharded':
     return method
   shared = tuple(f for f in method.shared_fields
                  if f not in method.outer_fields)
-  return dataclasses.replace(method, shared_fields=shared,
-                             eval_params=_sharded_eval, elastic=False)
+  return dataclasses.replace(
+      method, shared_fields=shared, elastic=False,
+      eval_params=functools.partial(_sharded_eval, specs=specs))
 
 
 def row_shards(method: Method, layout: str) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hierarchy
+from loc_opt.train import outer_layout
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method
 
@@ -90,8 +91,10 @@ def _layout_kwargs(config) -> dict[str, Any]:
   outer state sends the plain fp32 mean by its reduce-scatter, without a
   codec (``outer_layout.check`` refuses ``outer.codec`` other than 'none')."""
   layout = cfg_lib.library_state_layout(config)
-  return {'codec': None if layout == 'sharded' else _codec(config),
-          'outer_state_layout': layout}
+  if layout == 'sharded':  # reduce-scatter each device's block
+    return {'codec': None, 'outer_state_layout': layout,
+            'param_specs': outer_layout.param_specs(config)}
+  return {'codec': _codec(config), 'outer_state_layout': layout}
 
 
 def _build_diloco(config, inner, axis_name):
