@@ -465,9 +465,10 @@ def host_arguments(
 
   A parameter is in host memory when its layout in the module's
   ``entry_computation_layout`` carries memory space 5 (``S(5)``:
-  ``jax.NamedSharding(..., memory_kind='pinned_host')``). A parameter whose
-  only reader is the root ``tuple`` is passed through untouched (with
-  donation, aliased to its output: no transfer, no compute).
+  ``jax.NamedSharding(..., memory_kind='pinned_host')``). A donated
+  parameter whose only reader is the root ``tuple`` is passed through
+  untouched (aliased to its output: no transfer, no compute); without
+  donation XLA copies it to a new output buffer (a ``copy``).
 
   Args:
     program: a compiled program or its optimized HLO text.

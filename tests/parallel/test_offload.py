@@ -56,9 +56,11 @@ def test_host_arguments_tells_a_pass_through_from_a_read():
 
   def compile_(fn):
     return jax.jit(fn, in_shardings=(device, host),
-                   out_shardings=(device, host)).lower(x, h).compile()
+                   out_shardings=(device, host),
+                   donate_argnums=(0, 1)).lower(x, h).compile()
 
-  # Argument 1 rests in host memory; argument 0 is not listed.
+  # Argument 1 rests in host memory; argument 0 is not listed. Donated,
+  # a pass-through is aliased to its output: read by the output tuple only.
   assert parallel.host_arguments(compile_(passes)) == {1: ('tuple',)}
   users = parallel.host_arguments(compile_(reads))
   assert list(users) == [1] and users[1] != ('tuple',)
