@@ -177,14 +177,16 @@ def test_local_sgd_sharded_equals_replicated():
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_param_specs_send_each_devices_block_under_fsdp():
+@pytest.mark.parametrize('inside', ['fsdp', 'data'])
+def test_param_specs_send_each_devices_block(inside):
   """With FSDP inside a worker, GSPMD gathers a leaf inside the worker
   before the reduce-scatter (every device sends it whole); with
   ``param_specs`` each device reduce-scatters and all-gathers its own block
-  (manual over the axes inside the worker): the bytes of the replicated
-  all-reduce, the same values bit for bit. ``b`` (30 rows, not a multiple
-  of M) keeps the gathered path."""
-  mesh = parallel.make_worker_mesh(M, fsdp=2)
+  (manual over the axes inside the worker), and data-parallel replicas
+  each send half of theirs: the same values bit for bit, half the leaf per
+  device in both cases. ``b`` (30 rows, not a multiple of M) keeps the
+  gathered path."""
+  mesh = parallel.make_worker_mesh(M, **{inside: 2})
   params = helpers.stack({'w': jax.random.normal(jax.random.key(0),
                                                  (64, 32)),
                           'b': jnp.arange(30.)})
@@ -214,19 +216,18 @@ def test_param_specs_send_each_devices_block_under_fsdp():
 
   (got, got_state), blocks = compiled('sharded', specs)
   (want, want_state), gathered = compiled('sharded')
-  _, replicated = compiled('replicated')
   conf.assert_trees_close(got, want, rtol=0, atol=0)
   conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
-  devices, padding = 8, 2 * 4 * 8  # b: 30 -> 32 fp32 elements
-  assert replicated.by_kind(True) == {
-      'all-reduce': (64 * 32 // 2 + 30) * 4 * devices}
+  devices, b_rows = 8, 32  # b: 30 -> 32 fp32 rows, whole on every device
   sent = blocks.by_kind(True)
-  assert sent['reduce-scatter'] == \
-      replicated.by_kind(True)['all-reduce'] + padding
+  assert sent['reduce-scatter'] == (64 * 32 // 2 + b_rows) * 4 * devices
   assert sent['all-gather'] * M == sent['reduce-scatter']
-  # Without the specs w crosses whole from both of its devices, after a
-  # gather inside the worker.
+  # Without the specs w crosses whole from both of its devices.
   assert gathered.by_kind(True)['reduce-scatter'] == \
-      (64 * 32 + 32) * 4 * devices
-  assert 'all-gather' in gathered.by_kind(False)
-  assert 'all-gather' not in blocks.by_kind(False)
+      (64 * 32 + b_rows) * 4 * devices
+  if inside == 'fsdp':  # and after a gather inside the worker
+    _, replicated = compiled('replicated')
+    assert replicated.by_kind(True) == {
+        'all-reduce': (64 * 32 // 2 + 30) * 4 * devices}
+    assert 'all-gather' in gathered.by_kind(False)
+    assert 'all-gather' not in blocks.by_kind(False)
