@@ -102,6 +102,14 @@ def test_sharded_run_equals_the_replicated_run_to_fp32_rounding(
            if c.cross_worker and c.bytes_per_device > 4}
   assert kinds == {'reduce-scatter', 'all-gather'}, kinds
   assert exp.programs.bytes_per_step[False] == 0
+  # Each of a worker's 2 data-parallel devices reduce-scatters half of
+  # every leaf (param_specs): the bytes of the replicated sync's all-reduce,
+  # which worker_mean spreads the same way, plus the all-gather's 1/M.
+  sync = exp.programs.bytes_per_step[True]
+  replicated = exp_lib.get_experiment(
+      _config(data_dir, 'replicated')).programs.bytes_per_step[True]
+  assert abs(sync - replicated * (1 + 1 / m)) <= 0.01 * replicated, (
+      sync, replicated)
 
 
 @pytest.mark.slow
