@@ -8,9 +8,11 @@ row), and the outer optimizer's state over that shard. Strided rows keep
 the leaf's other axes, and a device's block of rows under FSDP holds
 whole groups of ``M`` rows, so the shard can take its parameter's
 sharding inside a worker. (XLA's SPMD partitioner, in a ``shard_map``
-manual over the worker axis only, still gathers a reduce-scatter's and an
+manual over the worker axis only, gathers a reduce-scatter's and an
 all-gather's operand inside the worker first: under FSDP / tensor
-parallelism the sync moves that many times the bytes; see
+parallelism the sync would move that many times the bytes. With
+``param_specs`` each leaf's collectives run on each device's block, manual
+over the axes inside the worker; see :func:`scatter_delta` and
 docs/sharding.md.) The sync then is
 
 .. math::
