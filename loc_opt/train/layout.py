@@ -21,9 +21,10 @@ method shares nothing, and ``shared`` then has no ``opt_state``.) A JSON item
 Under ``outer.state_layout='sharded'`` the anchor and outer optimizer state
 hold each worker's own shard, are not shared fields, and are stored per
 worker; a checkpoint without ``outer_state_layout`` was written by the
-replicated layout (``'offloaded'`` stores as ``'replicated'`` does). Shared leaves are saved sharded
-like their parameter inside a worker and replicated over ``worker``, and
-restored broadcast back to every worker: a copy, so resume stays bit-exact.
+replicated layout (``'offloaded'`` stores as ``'replicated'`` does).
+Shared leaves are saved sharded like their parameter inside a worker and
+replicated over ``worker``, and restored broadcast back to every worker: a
+copy, so resume stays bit-exact.
 
 A checkpoint without the ``layout`` item (written before this layout) holds
 the whole state and is restored as such.

@@ -77,6 +77,20 @@ def param_specs(config: ml_collections.ConfigDict) -> Any:
                               parallel.AXES)
 
 
+def library_kwargs(config: ml_collections.ConfigDict, codec
+                   ) -> dict[str, Any]:
+  """``codec``, ``outer_state_layout`` (and ``param_specs``) of
+  ``loc_opt.diloco`` / ``local_sgd`` for the config: a sharded outer state
+  sends the plain fp32 mean by its reduce-scatter, without a codec
+  (:func:`check` refuses ``outer.codec`` other than 'none'), each device
+  its own block; otherwise ``codec(config)``, the method's compressor."""
+  layout = cfg_lib.library_state_layout(config)
+  if layout == 'sharded':
+    return {'codec': None, 'outer_state_layout': layout,
+            'param_specs': param_specs(config)}
+  return {'codec': codec(config), 'outer_state_layout': layout}
+
+
 def _sharded_eval(opt_state, params, *, specs):
   # The anchor's shards, all-gathered over the workers (under the worker
   # map, as the trainer's programs call it), by device blocks as the sync

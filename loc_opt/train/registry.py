@@ -86,30 +86,21 @@ def _codec(config):
   return cfg_lib.make_compressor(config)
 
 
-def _layout_kwargs(config) -> dict[str, Any]:
-  """``codec`` and ``outer_state_layout`` of ``loc_opt.diloco``: a sharded
-  outer state sends the plain fp32 mean by its reduce-scatter, without a
-  codec (``outer_layout.check`` refuses ``outer.codec`` other than 'none')."""
-  layout = cfg_lib.library_state_layout(config)
-  if layout == 'sharded':  # reduce-scatter each device's block
-    return {'codec': None, 'outer_state_layout': layout,
-            'param_specs': outer_layout.param_specs(config)}
-  return {'codec': _codec(config), 'outer_state_layout': layout}
-
-
 def _build_diloco(config, inner, axis_name):
   return cfg_lib.checked(
       'outer.aggregate', outer_lib.diloco, inner,
       sync_every=cfg_lib.make_sync_every(config),
       outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
-      **_layout_kwargs(config), **cfg_lib.aggregate_kwargs(config))
+      **outer_layout.library_kwargs(config, _codec),
+      **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_local_sgd(config, inner, axis_name):
   return cfg_lib.checked(
       'outer.aggregate', outer_lib.local_sgd, inner,
       sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
-      **_layout_kwargs(config), **cfg_lib.aggregate_kwargs(config))
+      **outer_layout.library_kwargs(config, _codec),
+      **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_compressed_dp(config, inner, axis_name):
