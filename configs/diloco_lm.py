@@ -160,6 +160,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # step and the steps that overlap its collective run as one program, so
   # XLA may hide the transfer behind them; same numbers). docs/overlap.md.
   c.outer.overlap = 'none'
+  # Where the outer state (anchor, outer momentum) lives between syncs
+  # (diloco, local_sgd; docs/sharding.md): 'replicated' (every worker holds
+  # it whole), 'sharded' (each worker holds its 1/workers: reduce-scatter,
+  # outer step on the shard, all-gather; ZeRO stage 1; no codec, robust
+  # rule or change of mesh.workers on resume) or 'offloaded' (replicated,
+  # in pinned host memory, moved to the device only by the sync program).
+  c.outer.state_layout = 'replicated'
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function

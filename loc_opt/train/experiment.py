@@ -29,6 +29,7 @@ from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import layout as layout_lib
+from loc_opt.train import outer_layout
 from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
@@ -125,6 +126,7 @@ def _check_method(config) -> None:
                      f'fixed plan; outer.sync_schedule must be '
                      f"'constant', got {sched!r}")
   registry.check_section(config)
+  outer_layout.check(config, method, registry.METHODS)
   cfg_lib.check_aggregate(config)
   # validates the sync schedule and the method's fields
   _check_syncs(config, method.plan(config))
@@ -252,7 +254,9 @@ class Experiment:
     model: the model's functional interface.
     method: the training method.
     tx: the optimizer (inner optimizer wrapped by the method).
-    shardings: ``NamedSharding`` of every leaf of the train state.
+    shardings: ``NamedSharding`` of every leaf of the train state between
+      steps (``outer.state_layout='offloaded'``: the outer fields in
+      ``pinned_host`` memory).
     abstract_state: the train state's shapes, dtypes and shardings.
     programs: the compiled steps, their cross-worker bytes, and evaluation.
     lr_schedule: the inner learning-rate schedule.
@@ -282,9 +286,10 @@ class Experiment:
   @functools.cached_property
   def layout(self) -> layout_lib.StateLayout:
     """How checkpoints store the train state (shared fields once)."""
-    return layout_lib.StateLayout(self.method, self.tx, self.abstract_state,
-                                  self.config.mesh.workers,
-                                  self.config.batch_size)
+    return layout_lib.StateLayout(
+        self.method, self.tx, self.abstract_state, self.config.mesh.workers,
+        self.config.batch_size,
+        outer_state_layout=cfg_lib.state_layout(self.config))
 
   def init_state(self) -> dict[str, Any]:
     """The initial train state: one model initialisation on every worker."""
@@ -321,8 +326,11 @@ def build_experiment(config: ml_collections.ConfigDict,
   if mesh is None:
     mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
                                      config.mesh.fsdp, config.mesh.tensor)
-  method = registry.get_method(config.outer.method)
+  state_layout = cfg_lib.state_layout(config)
   model = models.build_model(config.model)
+  method = outer_layout.for_layout(registry.get_method(config.outer.method),
+                                   state_layout,
+                                   state_lib.param_specs(model, mesh))
   lr_schedule = cfg_lib.lr_schedule(config)
   plan = method.plan(config)
   tx = method.build(config, cfg_lib.make_inner(config, lr_schedule),
@@ -330,12 +338,15 @@ def build_experiment(config: ml_collections.ConfigDict,
   init = functools.partial(state_lib.init_state, model=model, tx=tx,
                            method=method, workers=config.mesh.workers)
   abstract = jax.eval_shape(init, jax.random.key(config.seed))
-  shardings = state_lib.state_shardings(
-      abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker)
+  on_device = state_lib.state_shardings(
+      abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker,
+      row_shards=outer_layout.row_shards(method, state_layout))
+  shardings = outer_layout.at_rest(on_device, method, state_layout)
   abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
   programs = programs_lib.build_programs(
       config, model, tx, method, plan, mesh, shardings, abstract,
-      eval_params_fn(method, abstract['opt_state']))
+      eval_params_fn(method, abstract['opt_state']),
+      on_device=None if on_device == shardings else on_device)
   _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
                                                  config.num_steps)
   return Experiment(config, mesh, model, method, tx, shardings, abstract,

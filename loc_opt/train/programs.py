@@ -29,6 +29,7 @@ from loc_opt import models
 from loc_opt import parallel
 from loc_opt.train import faults
 from loc_opt.train import hosts
+from loc_opt.train import outer_layout
 from loc_opt.train.method import Method
 from loc_opt.train.method import shared_mask
 
@@ -224,8 +225,11 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
 
 
 def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
-                 abstract_state, phases) -> StepPrograms:
-  """The train step of every phase, the first few compiled now."""
+                 abstract_state, phases, on_device=None) -> StepPrograms:
+  """The train step of every phase, the first few compiled now. With
+  ``on_device`` (the state's shardings while a step runs, where
+  ``shardings`` keep the outer state in host memory between steps), every
+  phase but the inner one moves the state there and back."""
   abstract_batch = _abstract_batch(config, mesh, method.per_worker)
   loss_sharding = jax.NamedSharding(
       mesh, P(parallel.WORKER) if method.per_worker else P())
@@ -256,13 +260,19 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
     return new, loss
 
   def compile_phase(phase):
-    step = jax.jit(functools.partial(step_fn, sync=phase),
+    step = functools.partial(step_fn, sync=phase)
+    if on_device is not None and phase != plan.inner:
+      step = outer_layout.offloaded_step(step, on_device, shardings)
+    step = jax.jit(step,
                    in_shardings=(shardings, abstract_batch.sharding),
                    out_shardings=(shardings, loss_sharding),
                    donate_argnums=0)
     return _compile(step, method, mesh, abstract_state, abstract_batch)
 
   def compile_window(phases):
+    if on_device is not None:  # the checks keep the two options apart
+      raise ValueError('outer.overlap=compiled does not run with '
+                       "outer.state_layout='offloaded'")
     window = parallel.overlap_window(step_fn, phases,
                                      scan_from=WINDOW_SCAN_FROM)
     k = len(phases)
@@ -307,15 +317,19 @@ def _compile(step, method, mesh, abstract_state, abstract_batch,
 def build_programs(config: ml_collections.ConfigDict, model: models.Model,
                    tx: optax.GradientTransformation, method: Method,
                    plan: Any, mesh: jax.sharding.Mesh, shardings: Any,
-                   abstract_state: Any, eval_params: Any) -> Programs:
+                   abstract_state: Any, eval_params: Any, *,
+                   on_device: Any = None) -> Programs:
   """Compiles the train step of each phase and the evaluation programs.
 
   Every worker evaluates its eval weights on its slice of the eval batch,
-  so evaluation itself crosses no worker boundary.
+  so evaluation itself crosses no worker boundary. ``on_device``: the
+  state's shardings while a program runs, when ``shardings`` (between
+  steps) keep the outer state in host memory (``outer.state_layout=
+  'offloaded'``); None otherwise.
   """
   steps, windows = _train_steps(config, model, tx, method, plan, mesh,
                                 shardings, abstract_state,
-                                plan.phases(config.num_steps))
+                                plan.phases(config.num_steps), on_device)
 
   def worker_eval(params, opt_state, batch):
     return loss_fn(model, eval_params(opt_state, params), batch)
@@ -324,14 +338,20 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
                 if method.per_worker else lambda fn: fn)
   eval_sharding = batch_sharding(mesh, method.per_worker)
   eval_run = per_worker(worker_eval)
-  eval_fn = jax.jit(
-      lambda state, batch: eval_run(state['params'], state['opt_state'],
-                                    batch),
-      in_shardings=(shardings, eval_sharding))
   params_run = per_worker(lambda opt_state, params: eval_params(opt_state,
                                                                 params))
+
+  def on_dev(fn):  # evaluation reads the anchor: on the device
+    if on_device is None:
+      return fn
+    return outer_layout.to_device(fn, on_device, shardings)
+
+  eval_fn = jax.jit(
+      on_dev(lambda state, batch: eval_run(state['params'],
+                                           state['opt_state'], batch)),
+      in_shardings=(shardings, eval_sharding))
   eval_params_fn = jax.jit(
-      lambda state: params_run(state['opt_state'], state['params']),
+      on_dev(lambda state: params_run(state['opt_state'], state['params'])),
       in_shardings=(shardings,), out_shardings=shardings['params'])
   params_loss_fn = jax.jit(per_worker(functools.partial(loss_fn, model)),
                            in_shardings=(shardings['params'], eval_sharding))
