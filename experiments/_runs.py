@@ -1,11 +1,29 @@
-"""Helpers shared by the inner-optimizer and schedule experiment programs."""
+"""Helpers shared by the experiment programs.
+
+:func:`run` trains (or resumes, or reads back) one run and remembers its
+config and provenance; :func:`write` writes a benchmark's results file with
+the numbers, every run's full config and provenance, the provenance of the
+writing process and its wall time (see :mod:`experiments.provenance`).
+"""
 
 import json
 import os
 import pathlib
+import sys
+import time
 from typing import Any
 
 import ml_collections
+
+from experiments import provenance as provenance_lib
+
+# Results-file format; bump when the layout of ``write``'s file changes.
+FORMAT = 1
+
+# The runs this process trained or read back, in order: what ``write``
+# records next to the numbers.
+RUNS: list[dict[str, Any]] = []
+_START = time.time()
 
 
 def variant(base: ml_collections.ConfigDict,
@@ -17,14 +35,62 @@ def variant(base: ml_collections.ConfigDict,
 
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
         label: str) -> dict[str, Any]:
-  """Trains (or resumes, or reads a finished run) and prints one line."""
+  """Trains (or resumes, or reads a finished run) and prints one line.
+
+  A run trained (or finished) by this call gets ``provenance.json`` in its
+  directory: this process's provenance, the wall time of the call and the
+  step it resumed from. A finished run read back keeps the record it has.
+  Either way the run is remembered for :func:`write`.
+  """
   from loc_opt import train  # pylint: disable=g-import-not-at-top
+  before = _finished_step(workdir)
+  t0 = time.time()
   summary = train.train_and_evaluate(config, workdir)
+  wall = time.time() - t0
   summary.pop('state', None)
+  record = provenance_lib.read(workdir)
+  if before is None or before.get('finished') is not True:
+    record = provenance_lib.record(
+        workdir, wall_seconds=wall,
+        resumed_from_step=(before or {}).get('step'),
+        compile_seconds=summary.get('compile_seconds'),
+        train_seconds=summary.get('train_seconds_this_run'))
+  if not summary.get('finished'):
+    raise SystemExit(f'{label}: stopped at step {summary["step"]} in '
+                     f'{workdir} (run the command again to resume)')
+  remember(config, workdir, label, record, summary)
   summary['curve'] = curve(workdir)
   print(f'{label:<34} steps {summary["step"]:>4}  final eval loss '
         f'{summary["final_eval_loss"]:.4f}', flush=True)
   return summary
+
+
+def _finished_step(workdir) -> dict[str, Any] | None:
+  """``{'step', 'finished'}`` of the run in ``workdir`` before this call
+  (the latest checkpoint's step for an unfinished run), or None if there is
+  no run yet."""
+  path = pathlib.Path(workdir)
+  if (path / 'summary.json').exists():
+    summary = json.loads((path / 'summary.json').read_text())
+    if summary.get('finished'):
+      return {'step': summary.get('step'), 'finished': True}
+  ckpts = path / 'checkpoints'
+  steps = ([int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
+           if ckpts.is_dir() else [])
+  return {'step': max(steps), 'finished': False} if steps else None
+
+
+def remember(config: ml_collections.ConfigDict, workdir, label: str,
+             record: dict[str, Any] | None,
+             summary: dict[str, Any] | None = None) -> None:
+  """Adds a run to :data:`RUNS` (for runs not made by :func:`run`)."""
+  RUNS.append({
+      'label': label, 'workdir': str(workdir),
+      'config': json.loads(json.dumps(config.to_dict(), default=str)),
+      'provenance': record if record is not None else {
+          'unknown': 'the run finished before provenance was recorded'},
+      'final_eval_loss': (summary or {}).get('final_eval_loss'),
+      'steps': (summary or {}).get('step')})
 
 
 def curve(workdir: str | os.PathLike) -> dict[str, dict[int, float]]:
@@ -38,13 +104,35 @@ def curve(workdir: str | os.PathLike) -> dict[str, dict[int, float]]:
   return out
 
 
+def _command() -> list[str]:
+  """This process's command line, as ``python -m <module> <flags>``."""
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  head = (['python', '-m', spec.name] if spec is not None else
+          ['python', os.path.basename(sys.argv[0])])
+  return head + sys.argv[1:]
+
+
 def write(workdir: str | os.PathLike, name: str, markdown: str,
-          results: Any) -> None:
-  """Writes ``name.md`` and ``name.json`` into ``workdir`` and prints."""
+          results: Any, **info: Any) -> None:
+  """Writes ``name.md`` and the results file ``name.json`` into ``workdir``
+  and prints.
+
+  The results file holds ``results`` (the numbers the tables are rendered
+  from) under ``'results'``, and beside them the command line, the
+  provenance of this process (:func:`experiments.provenance.collect`), its
+  wall time, every run of :data:`RUNS` (full config and the provenance of
+  the process that trained it), and ``info``.
+  """
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
+  value = {
+      'format': FORMAT, 'benchmark': name,
+      'command': _command(),
+      'provenance': provenance_lib.collect(),
+      'wall_seconds': time.time() - _START,
+      'runs': RUNS, **info, 'results': results}
   (path / f'{name}.md').write_text(markdown)
-  (path / f'{name}.json').write_text(json.dumps(results, indent=2,
+  (path / f'{name}.json').write_text(json.dumps(value, indent=2,
                                                 default=str))
   print('\n' + markdown)
   print(f'wrote {path / (name + ".md")}, {path / (name + ".json")}')

@@ -6,7 +6,7 @@ batch); only ``outer.method`` differs. Steps are timed one at a time
 machine noise hits both alike, and the medians are compared.
 
   python -m experiments.benchmark_step_time --config=configs/diloco_lm.py \
-    [--steps=60] [--out=bench.json]
+    [--steps=60] [--workdir=/tmp/step_time]
 """
 
 import json
@@ -23,7 +23,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
 _STEPS = flags.DEFINE_integer('steps', 60, 'Timed steps per program.')
 _BLOCK = flags.DEFINE_integer('block', 5, 'Steps per alternating block.')
-_OUT = flags.DEFINE_string('out', '', 'Write the results as JSON here.')
+_WORKDIR = flags.DEFINE_string(
+    'workdir', '', 'Write the results file benchmark_step_time.json here.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8,
                                     'Virtual CPU devices.')
 
@@ -86,9 +87,9 @@ def main(argv):
         f'{result["cross_worker_bytes_per_step"]["diloco"]}, data-parallel '
         f'{result["cross_worker_bytes_per_step"]["data_parallel"]}; DiLoCo '
         f'sync step {result["diloco_sync_step_bytes"]}')
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
-      json.dump(result, f, indent=2)
+  if _WORKDIR.value:
+    _runs.write(_WORKDIR.value, 'benchmark_step_time',
+                json.dumps(result, indent=2) + '\n', result)
 
 
 if __name__ == '__main__':

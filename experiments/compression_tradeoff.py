@@ -9,14 +9,14 @@ Trains the config's LM at equal tokens (same data, batch and steps) with
   3% with 2-bit values and error feedback on the pseudo-gradients;
 
 reads each run's cross-worker bytes from its compiled programs, and writes a
-markdown table (``results.md``), the raw summaries (``results.json``) and a
+markdown table (``compression_tradeoff.md``), the results file
+(``compression_tradeoff.json``: summaries, configs, provenance) and a
 plot of loss against bytes (``loss_vs_bytes.png``) to --workdir.
 
   python -m experiments.compression_tradeoff --workdir=/tmp/compression \
     [--runs=dp,dp_int8,...] [--config.num_steps=300]
 """
 
-import json
 import os
 
 from absl import app
@@ -92,7 +92,6 @@ def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from loc_opt import train  # pylint: disable=g-import-not-at-top
   from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
 
   names = _runs.chosen(_RUNS.value, RUNS)
@@ -103,8 +102,7 @@ def main(argv):
     c = ml_collections.ConfigDict(_CONFIG.value.to_dict())
     for key, value in overrides.items():
       c.outer[key] = value
-    s = train.train_and_evaluate(c, os.path.join(_WORKDIR.value, name))
-    s.pop('state')
+    s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
     s.update(name=name, label=label, family=family)
     rows.append(s)
     print(f'{label}: loss {s["final_eval_loss"]:.4f}, '
@@ -130,12 +128,8 @@ def main(argv):
                f'{1 / factor:.1f}x more')
     lines.append(f'| {r["label"]} | {r["final_eval_loss"]:.4f} | '
                  f'{r["cross_worker_bytes"]:,} | {ratio} |')
-  table = '\n'.join(lines)
-  print('\n' + table)
-  with open(os.path.join(_WORKDIR.value, 'results.md'), 'w') as f:
-    f.write(table + '\n')
-  with open(os.path.join(_WORKDIR.value, 'results.json'), 'w') as f:
-    json.dump(rows, f, indent=2, default=str)
+  _runs.write(_WORKDIR.value, 'compression_tradeoff',
+              '\n'.join(lines) + '\n', rows)
   _plot(rows, os.path.join(_WORKDIR.value, 'loss_vs_bytes.png'))
 
 

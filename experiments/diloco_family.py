@@ -22,8 +22,10 @@ DiLoCo's).
   python -m experiments.diloco_family --workdir=/tmp/diloco_family \
     [--runs=dp,diloco,...] [--config.num_steps=300]
 
-Writes ``results.md``, ``results.json`` and ``loss_vs_time.png`` to
---workdir.
+Writes ``diloco_family.md``, the results file ``diloco_family.json``
+(numbers, every run's config and provenance; ``docs/results/`` holds the
+published one) and ``loss_vs_time.png`` to --workdir. The table and the
+figure are drawn by ``experiments.tables`` from the results file.
 """
 
 import copy
@@ -36,6 +38,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import provenance
+from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -114,7 +118,7 @@ def _clock(exp, gbps, *, step_time, model_params=0, speeds=None):
       model_params=model_params, speeds=speeds)
 
 
-def _finished(run_dir, config):
+def _finished(run_dir, config, label):
   """The summary of a finished run of ``config``'s method and length in
   ``run_dir``, or None."""
   path = os.path.join(run_dir, 'summary.json')
@@ -128,47 +132,8 @@ def _finished(run_dir, config):
   summary['curve'] = _runs.curve(run_dir)
   print(f'{run_dir}: reused (final eval loss '
         f'{summary["final_eval_loss"]:.4f})', flush=True)
+  _runs.remember(config, run_dir, label, provenance.read(run_dir), summary)
   return summary
-
-
-def _fmt_time(seconds):
-  if seconds >= 3600:
-    return f'{seconds / 3600:.2f} h'
-  if seconds >= 60:
-    return f'{seconds / 60:.1f} min'
-  return f'{seconds:.1f} s'
-
-
-def _plot(rows, path, ylim=(1.6, 2.6)):
-  """Loss against total bytes and against simulated time; runs above the
-  y-range are listed in the title."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-  above = [f'{r["name"]} {r["final_eval_loss"]:.2f}' for r in rows
-           if r['final_eval_loss'] > ylim[1]]
-  for ax, key, title in (
-      (axes[0], 'cross_worker_bytes', 'total cross-worker bytes'),
-      (axes[1], 'projected_1gbps_s', 'simulated seconds at 1 Gbit/s '
-       '(bytes projected to the larger model)')):
-    for r in rows:
-      if r['final_eval_loss'] > ylim[1]:
-        continue
-      ax.scatter(r[key], r['final_eval_loss'])
-      name = r['name'] + (' (slow worker)' if 'straggler' in r['label']
-                          and r['name'] == 'diloco' else '')
-      ax.annotate(name, (r[key], r['final_eval_loss']),
-                  textcoords='offset points', xytext=(4, 3), fontsize=8)
-    ax.set_xscale('log')
-    ax.set_ylim(*ylim)
-    ax.set_xlabel(title)
-    ax.set_ylabel('final eval loss')
-    ax.grid(True, alpha=0.3)
-  if above:
-    fig.suptitle('above the plotted range: ' + ', '.join(above), fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
 
 
 def main(argv):
@@ -188,7 +153,7 @@ def main(argv):
   for name in names:
     label, c = _config(base, name, h, straggler)
     run_dir = os.path.join(_WORKDIR.value, name)
-    summary = _finished(run_dir, c) if _REUSE.value else None
+    summary = _finished(run_dir, c, label) if _REUSE.value else None
     if summary is None:
       summary = _runs.run(c, run_dir, label)
     exp = train.get_experiment(c)
@@ -217,30 +182,26 @@ def main(argv):
     print(f'  bytes {metrics.format_bytes(row["cross_worker_bytes"])}, '
           f'peak/step {metrics.format_bytes(row["peak_bytes_per_step"])}',
           flush=True)
-
-  tokens = base.num_steps * base.batch_size * base.data.seq_len
-  lines = [
-      f'{tokens:,} tokens per run ({base.num_steps} steps x '
-      f'{base.batch_size} x {base.data.seq_len}); {base.mesh.workers} '
-      f'workers x {base.mesh.data * base.mesh.fsdp * base.mesh.tensor} '
-      f'devices; H = {h}; model {exp.model.num_params:,} params. '
-      f'Simulated time: this model at {step_time} s/step, and projected to '
-      f'{proj_params:.3g} params at {proj_step} s/step; latency '
-      f'{base.wallclock.latency_s} s.', '',
-      '| run | final eval loss | total cross-worker bytes | peak bytes '
-      '/ step | time @1 Gbit/s (util) | time @100 Gbit/s (util) | projected '
-      '@1 Gbit/s (util) | projected @100 Gbit/s (util) |',
-      '|---|---|---|---|---|---|---|---|']
-  for r in rows:
-    cells = [r['label'], f'{r["final_eval_loss"]:.4f}',
-             f'{r["cross_worker_bytes"]:,}', f'{r["peak_bytes_per_step"]:,}']
-    for prefix in ('', 'projected_'):
-      for tag in ('1gbps', '100gbps'):
-        cells.append(f'{_fmt_time(r[prefix + tag + "_s"])} '
-                     f'({r[prefix + tag + "_util"]:.0%})')
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  _runs.write(_WORKDIR.value, 'results', '\n'.join(lines) + '\n', rows)
-  _plot(rows, os.path.join(_WORKDIR.value, 'loss_vs_time.png'))
+    # The results file after every run, so a long sweep cut short still
+    # has the finished rows (``pending`` names the others).
+    results = {
+        'setup': {'num_steps': base.num_steps,
+                  'batch_size': base.batch_size,
+                  'seq_len': base.data.seq_len, 'workers': base.mesh.workers,
+                  'devices_per_worker': (base.mesh.data * base.mesh.fsdp
+                                         * base.mesh.tensor),
+                  'sync_every': h, 'straggler_speed': straggler,
+                  'num_params': exp.model.num_params,
+                  'step_time_s': step_time, 'projected_params': proj_params,
+                  'projected_step_time_s': proj_step,
+                  'latency_s': base.wallclock.latency_s},
+        'rows': rows, 'pending': names[names.index(name) + 1:]}
+    _runs.write(_WORKDIR.value, 'diloco_family',
+                tables.render('diloco_family', 'main', {'results': results}),
+                results)
+  tables.diloco_family_figure({'results': results},
+                              os.path.join(_WORKDIR.value,
+                                           'loss_vs_time.png'))
 
 
 if __name__ == '__main__':

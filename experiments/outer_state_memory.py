@@ -24,10 +24,13 @@ collectives, bytes per device by kind.
     --compile
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
-devices. Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models*, 2020.
+devices. With --workdir, also writes ``outer_state_memory.md`` and the
+results file ``outer_state_memory.json`` (rows, config, provenance).
+Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models*, 2020.
 """
 
+import json
 import math
 
 from absl import app, flags
@@ -37,6 +40,8 @@ from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_WORKDIR = flags.DEFINE_string(
+    'workdir', '', 'Also write the results file outer_state_memory.json here.')
 _COMPILE = flags.DEFINE_bool('compile', False,
                              'Also compile the sync step of each layout.')
 
@@ -131,6 +136,7 @@ def main(argv):
   divisors = jax.tree.map(divisor, specs, is_leaf=lambda x: isinstance(
       x, jax.P))
   mib = lambda b: f'{b / 2**20:,.1f}'
+  rows, lines = [], []
   print(f'# {model.num_params / 1e6:,.1f}M parameters, mesh (w x d x f x t) '
         f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}\n{HEADER}\n'
         + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
@@ -146,8 +152,17 @@ def main(argv):
       mesh = parallel.make_worker_mesh(m.workers, m.data, m.fsdp, m.tensor)
       nbytes, kinds = _compiled(config, layout, abstract, specs, mesh)
       args = mib(nbytes)
-    print(f'| {layout} | {mib(here)} | {mib(unsplit)} | {args} | {kinds} |',
-          flush=True)
+    lines.append(f'| {layout} | {mib(here)} | {mib(unsplit)} | {args} | '
+                 f'{kinds} |')
+    print(lines[-1], flush=True)
+    rows.append({'layout': layout, 'bytes_per_device': here,
+                 'bytes_undivided': unsplit, 'compiled_argument_mib': args,
+                 'cross_worker_kinds': kinds})
+  if _WORKDIR.value:
+    _runs.write(_WORKDIR.value, 'outer_state_memory',
+                '\n'.join(lines) + '\n', rows,
+                num_params=model.num_params,
+                config=json.loads(json.dumps(config.to_dict(), default=str)))
 
 
 if __name__ == '__main__':

@@ -8,10 +8,11 @@ FSDP + Megatron (``loc_opt.parallel.ideal``), cross-worker bytes per worker
 against the fp32 parameter bytes (DiLoCo's sync), and compile time.
 
   python -m experiments.scale_check --config=configs/scale_lm.py:1b \
-    [--config.mesh.fsdp=2 --config.mesh.tensor=2] [--json=out.json]
+    [--config.mesh.fsdp=2 --config.mesh.tensor=2] [--workdir=DIR]
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
-devices.
+devices. With --workdir, writes ``scale_check.md`` and the results file
+``scale_check.json`` (rows, config, provenance) there.
 """
 
 import json
@@ -26,7 +27,8 @@ from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
-_JSON = flags.DEFINE_string('json', '', 'Also write the rows here.')
+_WORKDIR = flags.DEFINE_string(
+    'workdir', '', 'Also write the results file scale_check.json here.')
 _SYNC = flags.DEFINE_bool('sync', True, 'Also compile the first sync step.')
 
 HEADER = ('| mesh (w x d x f x t) | step | params | arg MiB/dev | temp MiB/dev '
@@ -104,10 +106,10 @@ def main(argv):
   for phase, label in phases:
     rows.append(_row(config, exp, phase, label))
     print(_markdown(rows[-1]), flush=True)
-  if _JSON.value:
-    with open(_JSON.value, 'w') as f:
-      json.dump({'config': config.to_dict(), 'rows': rows}, f, indent=1,
-                default=str)
+  if _WORKDIR.value:
+    _runs.write(_WORKDIR.value, 'scale_check',
+                '\n'.join(_markdown(r) for r in rows) + '\n', rows,
+                config=json.loads(json.dumps(config.to_dict(), default=str)))
 
 
 if __name__ == '__main__':

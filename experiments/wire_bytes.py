@@ -3,19 +3,24 @@ r"""Bytes on the wire of every registered codec and compressor.
 Compiles one data-parallel step with ``compressed_all_reduce`` for each
 scheme on a 4-worker x 2-device mesh of virtual CPU devices, reads the
 cross-worker bytes from the compiled HLO (``collective_bytes``) and prints
-them next to the scheme's theoretical payload and the fp32 bytes.
+them next to the scheme's theoretical payload and the fp32 bytes; with
+--workdir, also writes ``wire_bytes.md`` and the results file
+``wire_bytes.json`` (numbers, provenance) there.
 
-  python -m experiments.wire_bytes [--rows=512 --cols=512]
+  python -m experiments.wire_bytes [--rows=512 --cols=512] [--workdir=DIR]
 """
 
 from absl import app
 from absl import flags
 
 from experiments import _runs
+from experiments import tables
 
 _ROWS = flags.DEFINE_integer('rows', 512, 'Rows of the weight matrix.')
 _COLS = flags.DEFINE_integer('cols', 512, 'Columns of the weight matrix.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_WORKDIR = flags.DEFINE_string('workdir', '',
+                               'Where to write the results file (optional).')
 
 # name -> factory kwargs (defaults otherwise)
 KWARGS = {
@@ -52,11 +57,7 @@ def main(argv):
              for name in sorted(set(compression.CODECS) |
                                 set(compression.COMPRESSORS))}
   schemes.update(EXTRA)
-  print(f'{n:,} parameters ({_ROWS.value}x{_COLS.value} matrix + bias); '
-        f'fp32 = {4 * n:,} B per worker\n')
-  print('| scheme | measured B/worker | theory B | measured/theory | '
-        'fp32/measured |')
-  print('|---|---|---|---|---|')
+  rows = []
   for label, (name, kwargs) in schemes.items():
     scheme = compression.make_compressor(name, **kwargs)
     tx = compression.compressed_all_reduce(scheme, 'worker')
@@ -64,10 +65,21 @@ def main(argv):
     step = jax.jit(parallel.shard_map_workers(tx.update, mesh))
     report = parallel.collective_bytes(
         step.lower(params, state, params).compile(), mesh)
-    sent = report.cross_worker_bytes_per_worker
-    theory = scheme.payload_bytes(one)
-    print(f'| {label} | {sent:,.0f} | {theory:,} | {sent / theory:.3f} | '
-          f'{4 * n / sent:.1f} |', flush=True)
+    rows.append({'label': label, 'scheme': name, 'kwargs': kwargs,
+                 'measured_bytes_per_worker':
+                     float(report.cross_worker_bytes_per_worker),
+                 'theory_bytes': int(scheme.payload_bytes(one))})
+    print(f'{label}: {rows[-1]["measured_bytes_per_worker"]:,.0f} B',
+          flush=True)
+  results = {'setup': {'rows': _ROWS.value, 'cols': _COLS.value,
+                       'num_params': n, 'workers': workers,
+                       'devices_per_worker': 2},
+             'rows': rows}
+  markdown = tables.render('wire_bytes', 'main', {'results': results})
+  if _WORKDIR.value:
+    _runs.write(_WORKDIR.value, 'wire_bytes', markdown, results)
+  else:
+    print('\n' + markdown)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,162 @@
+r"""Reruns the benchmarks behind the docs and re-renders the docs tables.
+
+  python -m experiments.regenerate --workdir=/work/runs      # everything
+  python -m experiments.regenerate --workdir=DIR --only=diloco_family,wire_bytes
+  python -m experiments.regenerate --list
+  python -m experiments.regenerate --render_only             # docs from
+                                                             # docs/results
+
+For each chosen benchmark (in the order of :data:`BENCHMARKS`) it runs
+``python -m experiments.<module> --workdir=DIR/<name> <args>`` in a child
+process (output in ``DIR/<name>.log``), copies the results file
+``DIR/<name>/<name>.json`` to ``docs/results/``, and in the end rewrites
+every table between ``<!-- results:... -->`` markers in ``docs/`` and the
+figures of ``experiments.tables.FIGURES`` from ``docs/results/``.
+
+It is resumable: each benchmark reads back its finished runs and resumes an
+interrupted one from its last checkpoint, and a benchmark whose results file
+in DIR was written by the code of the current commit (clean tree) is not
+started again (``--force`` starts it anyway, still reusing finished runs).
+A run that finished under other code is read back, not retrained: delete
+its run directory to retrain it (what a change to numerics needs).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+from experiments import provenance
+from experiments import tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  """One command behind a docs table."""
+  module: str  # Under experiments/.
+  args: tuple[str, ...] = ()  # Besides --workdir.
+  doc: str = 'docs/benchmarks.md'  # Where its tables are published.
+  # Figures it draws itself: file in its workdir -> path in the repository.
+  figures: tuple[tuple[str, str], ...] = ()
+
+
+# name (of the results file) -> how to make it, cheapest and most wanted
+# first. Every name is also the results file's name.
+BENCHMARKS: dict[str, Benchmark] = {
+    'wire_bytes': Benchmark('wire_bytes'),
+    'diloco_family': Benchmark('diloco_family'),
+    'compare_dp_diloco': Benchmark('compare_dp_diloco'),
+    'compression_tradeoff': Benchmark('compression_tradeoff'),
+    'benchmark_step_time': Benchmark('benchmark_step_time', ('--steps=60',)),
+    'schedules': Benchmark('schedules'),
+    'spikes': Benchmark('spikes'),
+    'inner_under_diloco': Benchmark('inner_under_diloco'),
+    'muloco': Benchmark('muloco'),
+    'hierarchical': Benchmark(
+        'hierarchical', ('--runs=flat_h30,flat_h60,hier_30_60,'
+                         'hier_30_60_int8_stat2',), 'docs/hierarchical.md'),
+    'decoupled': Benchmark('decoupled', (), 'docs/decoupled_diloco.md'),
+    'goodput': Benchmark('goodput', (), 'docs/decoupled_diloco.md',
+                         (('goodput.png', 'docs/figures/goodput.png'),)),
+    'dropout': Benchmark('dropout', (), 'docs/faults.md'),
+}
+
+
+def _current(results: pathlib.Path) -> bool:
+  """Whether ``results`` was written by this commit's code, clean."""
+  if not results.exists():
+    return False
+  p = json.loads(results.read_text()).get('provenance', {})
+  now = provenance.git_state()
+  return (now['commit'] is not None and not now['dirty']
+          and p.get('commit') == now['commit'] and p.get('dirty') is False)
+
+
+def run_benchmark(name: str, workdir: pathlib.Path, *, force: bool,
+                  python: str = sys.executable) -> pathlib.Path:
+  """Runs (or skips) benchmark ``name`` into ``workdir/name``; returns its
+  results file. Raises ``RuntimeError`` naming the log if it fails."""
+  b = BENCHMARKS[name]
+  out = workdir / name
+  results = out / f'{name}.json'
+  if not force and _current(results):
+    print(f'{name}: results of this commit already in {results}; skipped',
+          flush=True)
+    return results
+  log = workdir / f'{name}.log'
+  cmd = [python, '-m', f'experiments.{b.module}', f'--workdir={out}',
+         *b.args]
+  print(f'{name}: {" ".join(cmd[1:])} (log {log})', flush=True)
+  env = dict(os.environ, PYTHONPATH=str(tables.REPO))
+  t0 = time.time()
+  with open(log, 'a') as f:
+    rc = subprocess.call(cmd, cwd=tables.REPO, env=env, stdout=f,
+                         stderr=subprocess.STDOUT)
+  if rc != 0 or not results.exists():
+    raise RuntimeError(f'{name} failed (exit {rc}); see {log}')
+  print(f'{name}: done in {time.time() - t0:.0f} s', flush=True)
+  return results
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--workdir', type=pathlib.Path,
+                      help='Parent of the benchmarks\' run dirs (keep it '
+                      'outside the repository).')
+  parser.add_argument('--only', default='',
+                      help=f'Comma-separated subset of {list(BENCHMARKS)}.')
+  parser.add_argument('--force', action='store_true',
+                      help='Start benchmarks whose results are current.')
+  parser.add_argument('--keep_going', action='store_true',
+                      help='Go on to the next benchmark after a failure.')
+  parser.add_argument('--no_copy', action='store_true',
+                      help='Leave docs/results/ and the docs alone.')
+  parser.add_argument('--render_only', action='store_true',
+                      help='Only re-render docs tables and figures.')
+  parser.add_argument('--list', action='store_true',
+                      help='Print the benchmarks and exit.')
+  args = parser.parse_args(argv)
+  if args.list:
+    for name, b in BENCHMARKS.items():
+      print(f'{name}: python -m experiments.{b.module} --workdir=DIR/{name} '
+            f'{" ".join(b.args)}  ({b.doc})')
+    return 0
+  names = [n for n in args.only.split(',') if n] or list(BENCHMARKS)
+  unknown = sorted(set(names) - set(BENCHMARKS))
+  if unknown:
+    parser.error(f'unknown --only {unknown}; choose from {list(BENCHMARKS)}')
+  failed = []
+  if not args.render_only:
+    if args.workdir is None:
+      parser.error('--workdir is required (or --render_only)')
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+      try:
+        results = run_benchmark(name, args.workdir, force=args.force)
+      except RuntimeError as e:
+        if not args.keep_going:
+          raise
+        print(e, flush=True)
+        failed.append(name)
+        continue
+      if not args.no_copy:
+        shutil.copyfile(results, tables.RESULTS / results.name)
+        print(f'{name}: copied to {tables.RESULTS / results.name}',
+              flush=True)
+        for src, dst in BENCHMARKS[name].figures:
+          shutil.copyfile(results.parent / src, tables.REPO / dst)
+          print(f'{name}: copied {src} to {dst}', flush=True)
+  if not args.no_copy:
+    tables.main(['--figures'])
+  if failed:
+    print(f'failed: {failed}')
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

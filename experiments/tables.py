@@ -1,0 +1,367 @@
+r"""The tables in ``docs/``, rendered from the committed results files.
+
+A table generated from results sits in a docs page between markers::
+
+  <!-- results:<name>:<table> -->
+  ...rendered by RENDERERS[(name, table)] from docs/results/<name>.json...
+  <!-- /results -->
+
+and nothing between the markers is typed by hand: this module rewrites it.
+
+  python -m experiments.tables            # rewrite docs/*.md in place
+  python -m experiments.tables --check    # exit 1 naming stale tables
+
+``tests/test_results_tables.py`` runs the check, and also that every table
+in ``docs/`` with numbers in it is either between markers or listed there
+as hand-written with a reason. The benchmark programs print their tables
+with the same renderers, so their ``.md`` output is the docs table.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+import textwrap
+from typing import Any, Callable
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DOCS = REPO / 'docs'
+RESULTS = DOCS / 'results'
+
+# Markers stand alone on their lines.
+MARKER = re.compile(
+    r'^(?P<open><!-- results:(?P<name>[\w-]+):(?P<table>[\w-]+) -->\n)'
+    r'(?P<body>.*?)^(?P<close><!-- /results -->)$', re.S | re.M)
+
+
+def format_bytes(n: float) -> str:
+  """``1536 -> '1.5 KiB'`` (as ``loc_opt.train.metrics.format_bytes``)."""
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if abs(n) < 1024:
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+  return f'{n:.1f} TiB'
+
+
+def format_time(seconds: float) -> str:
+  """Seconds as ``'12.3 s'``, ``'4.5 min'`` or ``'1.23 h'``."""
+  if seconds >= 3600:
+    return f'{seconds / 3600:.2f} h'
+  if seconds >= 60:
+    return f'{seconds / 60:.1f} min'
+  return f'{seconds:.1f} s'
+
+
+def source_line(name: str, data: dict[str, Any]) -> str:
+  """A paragraph under a table: the results file, the commit of the code
+  that trained its runs (or, without runs, that computed it; dirty trees
+  flagged), packages, devices and how to regenerate it."""
+  def commit(p):
+    return f'`{(p["commit"] or "no git")[:10]}`' + (' (dirty)' if p['dirty']
+                                                   else '')
+  counts: dict[str, int] = {}
+  unknown = 0
+  for run in data.get('runs', []):
+    if 'commit' not in run['provenance']:
+      unknown += 1
+    else:
+      key = commit(run['provenance'])
+      counts[key] = counts.get(key, 0) + 1
+  p = data['provenance']
+  if counts or unknown:
+    parts = [f'{c} ({n} runs)' if len(counts) + bool(unknown) > 1 else c
+             for c, n in sorted(counts.items())]
+    parts += [f'{unknown} runs without a record'] if unknown else []
+    made = f'runs trained at commit {", ".join(parts)}'
+  else:
+    made = f'computed at commit {commit(p)}'
+  pk, dev = p['packages'], p['device']
+  text = (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
+          f'written {p["time_utc"][:10]}; {made}; jax {pk["jax"]}, flax '
+          f'{pk["flax"]}, optax {pk["optax"]}; {dev["device_count"]} x '
+          f'{dev["device_kind"]} devices, {dev["host_cpus"]} host CPUs. '
+          f'Regenerate: `python -m experiments.regenerate --workdir=DIR '
+          f'--only={data.get("benchmark", name)}`.')
+  return textwrap.fill(text, 79, break_on_hyphens=False,
+                       break_long_words=False)
+
+
+def compare_dp_diloco_main(data: dict[str, Any]) -> str:
+  """The data-parallel vs DiLoCo table."""
+  res = data['results']
+  s = res['setup']
+  tokens = s['num_steps'] * s['batch_size'] * s['seq_len']
+  lines = [
+      f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} = '
+      f'{tokens:,} tokens; {s["workers"]} workers x '
+      f'{s["devices_per_worker"]} devices; outer Nesterov lr '
+      f'{s["outer_learning_rate"]:g}, momentum {s["outer_momentum"]:g}.', '',
+      '| method | H | final eval loss | cross-worker bytes | syncs |',
+      '|---|---|---|---|---|']
+  best = min(r['final_eval_loss'] for r in res['rows'])
+  for r in res['rows']:
+    loss = f'{r["final_eval_loss"]:.4f}'
+    if r['final_eval_loss'] == best:
+      loss = f'**{loss}**'
+    syncs = (f'{r["steps"]} all-reduces' if r['method'] == 'data_parallel'
+             else str(r['syncs']))
+    lines.append(f'| {r["label"]} | {r["sync_every"]} | {loss} | '
+                 f'{r["cross_worker_bytes"]:,} '
+                 f'({format_bytes(r["cross_worker_bytes"])}) | {syncs} |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def diloco_family_main(data: dict[str, Any]) -> str:
+  """The DiLoCo family table: loss, bytes and simulated time per run."""
+  res = data['results']
+  s = res['setup']
+  tokens = s['num_steps'] * s['batch_size'] * s['seq_len']
+  lines = [
+      f'{tokens:,} tokens per run ({s["num_steps"]} steps x '
+      f'{s["batch_size"]} x {s["seq_len"]}); {s["workers"]} workers x '
+      f'{s["devices_per_worker"]} devices; H = {s["sync_every"]}; model '
+      f'{s["num_params"]:,} params. Simulated time: this model at '
+      f'{s["step_time_s"]} s/step, and projected to '
+      f'{s["projected_params"]:.3g} params at {s["projected_step_time_s"]} '
+      f's/step; latency {s["latency_s"]} s.', '',
+      '| run | final eval loss | total cross-worker bytes | peak bytes '
+      '/ step | time @1 Gbit/s (util) | time @100 Gbit/s (util) | projected '
+      '@1 Gbit/s (util) | projected @100 Gbit/s (util) |',
+      '|---|---|---|---|---|---|---|---|']
+  for r in res['rows']:
+    cells = [r['label'], f'{r["final_eval_loss"]:.4f}',
+             f'{r["cross_worker_bytes"]:,}', f'{r["peak_bytes_per_step"]:,}']
+    for prefix in ('', 'projected_'):
+      for tag in ('1gbps', '100gbps'):
+        cells.append(f'{format_time(r[prefix + tag + "_s"])} '
+                     f'({r[prefix + tag + "_util"]:.0%})')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def wire_bytes_main(data: dict[str, Any]) -> str:
+  """Bytes on the wire of every codec against its theoretical payload."""
+  res = data['results']
+  s = res['setup']
+  fp32 = 4 * s['num_params']
+  lines = [f'{s["num_params"]:,} parameters ({s["rows"]}x{s["cols"]} matrix '
+           f'+ bias); fp32 = {fp32:,} B per worker', '',
+           '| scheme | measured B/worker | theory B | measured/theory | '
+           'fp32/measured |', '|---|---|---|---|---|']
+  for r in res['rows']:
+    sent, theory = r['measured_bytes_per_worker'], r['theory_bytes']
+    lines.append(f'| {r["label"]} | {sent:,.0f} | {theory:,} | '
+                 f'{sent / theory:.3f} | {fp32 / sent:.1f} |')
+  return '\n'.join(lines) + '\n'
+
+
+def _chips(n: int) -> str:
+  """``150000 -> '150k'``, ``1200000 -> '1.2M'``."""
+  return f'{n / 1e6:g}M' if n >= 1_000_000 else f'{n / 1e3:g}k'
+
+
+def goodput_main(data: dict[str, Any]) -> str:
+  """Goodput per policy and chip count, ours / the paper's Table 1."""
+  res = data['results']
+  chips, paper = res['chips'], res['paper_table_1_second_hand']
+  fitted = ' (fitted)' if res['fitted'] else ''
+  rows = [('dp', f'DP, no elasticity{fitted}'),
+          ('elastic_dp', f'elastic DP{fitted}')]
+  rows += [(f'decoupled/{m}', f'Decoupled DiLoCo, M={m}')
+           for m in res['learners'] if m > 1]
+  rows += [(f'diloco/{m}', f'synchronous DiLoCo, M={m}')
+           for m in res['learners'] if f'diloco/{m}' in res['ours']]
+  lines = ['| policy | ' + ' | '.join(_chips(n) for n in chips) + ' |',
+           '|---|' + '---:|' * len(chips)]
+  for key, label in rows:
+    theirs = dict(zip(paper['chips'], paper.get(key, [])))
+    cells = [f'{100 * r["goodput"]:.0f} / '
+             + (f'{theirs[n]:.0f}' if n in theirs else '–')
+             for n, r in zip(chips, res['ours'][key])]
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
+                         ylim: tuple[float, float] = (1.6, 2.6)) -> None:
+  """Final loss against total bytes and against projected simulated time;
+  runs above the y-range are named in the title."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = data['results']['rows']
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+  above = [f'{r["name"]} {r["final_eval_loss"]:.2f}' for r in rows
+           if r['final_eval_loss'] > ylim[1]]
+  for ax, key, title in (
+      (axes[0], 'cross_worker_bytes', 'total cross-worker bytes'),
+      (axes[1], 'projected_1gbps_s', 'simulated seconds at 1 Gbit/s '
+       '(bytes projected to the larger model)')):
+    for r in rows:
+      if r['final_eval_loss'] > ylim[1]:
+        continue
+      ax.scatter(r[key], r['final_eval_loss'])
+      name = r['name'] + (' (slow worker)' if 'straggler' in r['label']
+                          and r['name'] == 'diloco' else '')
+      ax.annotate(name, (r[key], r['final_eval_loss']),
+                  textcoords='offset points', xytext=(4, 3), fontsize=8)
+    ax.set_xscale('log')
+    ax.set_ylim(*ylim)
+    ax.set_xlabel(title)
+    ax.set_ylabel('final eval loss')
+    ax.grid(True, alpha=0.3)
+  if above:
+    fig.suptitle('above the plotted range: ' + ', '.join(above), fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# (results name, table name) -> renderer of the markdown table.
+RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
+    ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
+    ('diloco_family', 'main'): diloco_family_main,
+    # Rows of the family trained by a second process beside the first
+    # (another workdir); folded into diloco_family once all are rerun.
+    ('diloco_family_tail', 'main'): diloco_family_main,
+    ('wire_bytes', 'main'): wire_bytes_main,
+    ('goodput', 'main'): goodput_main,
+}
+
+# results name -> (figure renderer, path under docs/).
+FIGURES: dict[str, tuple[Callable[..., None], str]] = {
+    'diloco_family': (diloco_family_figure, 'figures/diloco_family.png'),
+}
+
+
+def load(name: str, results_dir: pathlib.Path = RESULTS) -> dict[str, Any]:
+  """The results file ``results_dir/<name>.json``."""
+  path = results_dir / f'{name}.json'
+  if not path.exists():
+    raise FileNotFoundError(f'no results file {path} for the tables of '
+                            f'{name!r}; run its benchmark (python -m '
+                            f'experiments.regenerate --only={name})')
+  data = json.loads(path.read_text())
+  if 'provenance' not in data or 'results' not in data:
+    raise ValueError(f'{path} is not a results file of experiments._runs.'
+                     'write (no provenance or results): rerun its benchmark')
+  return data
+
+
+def render(name: str, table: str, data: dict[str, Any]) -> str:
+  """The markdown of table ``table`` of results ``name``, without the
+  source line."""
+  if (name, table) not in RENDERERS:
+    raise KeyError(f'no renderer for table {table!r} of results {name!r}; '
+                   f'known: {sorted(RENDERERS)}')
+  return RENDERERS[(name, table)](data)
+
+
+def block(name: str, table: str, results_dir: pathlib.Path = RESULTS) -> str:
+  """What belongs between the markers of ``name:table``: the table and its
+  source line."""
+  data = load(name, results_dir)
+  return render(name, table, data) + '\n' + source_line(name, data) + '\n'
+
+
+def rerender(text: str, results_dir: pathlib.Path = RESULTS) -> str:
+  """``text`` with every marked block rendered afresh."""
+  def sub(m):
+    body = block(m['name'], m['table'], results_dir)
+    return m['open'] + body + m['close']
+  return MARKER.sub(sub, text)
+
+
+def marked(text: str) -> list[tuple[str, str, int, int]]:
+  """``(name, table, start, end)`` of every marked block's body in
+  ``text``; an opening marker without its close is an error."""
+  out = [(m['name'], m['table'], m.start('body'), m.end('body'))
+         for m in MARKER.finditer(text)]
+  opens = len(re.findall(r'^<!-- results:', text, re.M))
+  if opens != len(out):
+    raise ValueError(f'{opens} opening results markers but {len(out)} '
+                     'closed blocks: a "<!-- /results -->" is missing or '
+                     'a marker is malformed (<!-- results:name:table -->)')
+  return out
+
+
+def markdown_tables(text: str) -> list[tuple[str, int, int, bool]]:
+  """``(header row, first line, end line, has numbers)`` of every Markdown
+  table in ``text`` outside fenced code, lines counted from 0; a table has
+  numbers if a cell of a body row holds a digit."""
+  lines = text.split('\n')
+  out, fence, i = [], False, 0
+  while i < len(lines):
+    line = lines[i].strip()
+    if line.startswith('```'):
+      fence = not fence
+    elif (not fence and line.startswith('|') and i + 1 < len(lines)
+          and re.fullmatch(r'\|(\s*:?-+:?\s*\|)+', lines[i + 1].strip())):
+      end = i + 2
+      while end < len(lines) and lines[end].strip().startswith('|'):
+        end += 1
+      numbers = any(re.search(r'\d', row) for row in lines[i + 2:end])
+      out.append((line, i, end, numbers))
+      i = end
+      continue
+    i += 1
+  return out
+
+
+def unsourced_tables(text: str) -> list[tuple[str, int]]:
+  """``(header row, line)`` of the tables with numbers in ``text`` that are
+  not between results markers."""
+  starts = [text.count('\n', 0, start) for _, _, start, _ in marked(text)]
+  ends = [text.count('\n', 0, end) for _, _, _, end in marked(text)]
+  return [(header, first) for header, first, end, numbers
+          in markdown_tables(text)
+          if numbers and not any(s <= first and end <= e + 1
+                                 for s, e in zip(starts, ends))]
+
+
+def docs_pages(docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
+  """The Markdown pages of ``docs`` and its subfolders (not the Sphinx
+  build's)."""
+  return sorted(p for p in docs.rglob('*.md')
+                if '_build' not in p.relative_to(docs).parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--check', action='store_true',
+                      help='Only report stale tables; exit 1 if any.')
+  parser.add_argument('--figures', action='store_true',
+                      help='Also redraw the figures of FIGURES.')
+  args = parser.parse_args(argv)
+  stale = []
+  for page in docs_pages():
+    text = page.read_text()
+    if not marked(text):
+      continue
+    new = rerender(text)
+    if new != text:
+      stale.append(page.relative_to(REPO))
+      if not args.check:
+        page.write_text(new)
+  if args.figures and not args.check:
+    for name, (draw, rel) in FIGURES.items():
+      if not (RESULTS / f'{name}.json').exists():
+        continue
+      data = load(name)
+      if data['results'].get('pending'):  # Kept until every run is in.
+        print(f'{rel}: not redrawn, runs pending')
+        continue
+      draw(data, DOCS / rel)
+      print(f'drew {DOCS / rel}')
+  verb = 'stale' if args.check else 'rewrote'
+  print(f'{verb}: {", ".join(map(str, stale)) or "none"}')
+  return 1 if args.check and stale else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
