@@ -154,6 +154,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.outer.aggregate = 'mean'
   c.outer.aggregate_trim = 1  # trimmed_mean: values dropped at each end.
   c.outer.aggregate_clip = 1.0  # norm_clipped_mean: bound / median norm.
+  # How a sync overlaps the steps after it (streaming_diloco with overlap
+  # > 0, eager_diloco, co2): 'none' (one program per step; the overlap is
+  # in the numerics and the wall-clock model only) or 'compiled' (the sync
+  # step and the steps that overlap its collective run as one program, so
+  # XLA may hide the transfer behind them; same numbers). docs/overlap.md.
+  c.outer.overlap = 'none'
+  # Where the outer state (anchor, outer momentum) lives between syncs
+  # (diloco, local_sgd; docs/sharding.md): 'replicated' (every worker holds
+  # it whole), 'sharded' (each worker holds its 1/workers: reduce-scatter,
+  # outer step on the shard, all-gather; ZeRO stage 1; no codec, robust
+  # rule or change of mesh.workers on resume) or 'offloaded' (replicated,
+  # in pinned host memory, moved to the device only by the sync program).
+  c.outer.state_layout = 'replicated'
 
   # Per-method settings of the DiLoCo family (loc_opt.outer), one section
   # named after each method (outer.<method>); fields that a library function

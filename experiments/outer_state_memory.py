@@ -11,7 +11,9 @@ state divided like its parameter over the worker's FSDP / tensor devices
 (the sharded layout's rows/M shards take the parameter's spec too), and
 undivided inside the worker (every device of a worker holds its copy);
 with ``--compile``, the compiled sync step of the transform alone (inner
-AdamW, gradients fed in) on the config's mesh, those shardings as its
+AdamW, gradients fed in; the sharded layout with the model's
+``param_specs``, as the trainer builds it) on the config's mesh, those
+shardings as its
 ``in_shardings``: its per-device argument bytes from ``memory_analysis()``
 (params, gradients, inner and outer state) and its cross-worker
 collectives, bytes per device by kind.
@@ -79,8 +81,12 @@ def _compiled(config, layout, abstract, specs, mesh):
   import loc_opt  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
   offload = layout == 'offloaded'
+  # The sharded sync runs each leaf's collectives on each device's block
+  # (param_specs), as the trainer builds it.
+  kwargs = {'param_specs': specs} if layout == 'sharded' else {}
   tx = loc_opt.diloco(optax.adamw(1e-3), sync_every=config.outer.sync_every,
-                      outer_state_layout='replicated' if offload else layout)
+                      outer_state_layout='replicated' if offload else layout,
+                      **kwargs)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (config.mesh.workers, *x.shape), x.dtype), abstract)
   opt = jax.eval_shape(parallel.vmap_workers(lambda p: (tx.init(p),)),

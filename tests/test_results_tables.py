@@ -23,6 +23,9 @@ REFERENCE = 'reference table of settings or formulas, not measurements'
 RAW_OUTPUT = ('raw output of an earlier run of the benchmark, kept next to '
               'its json; from an earlier state of the code, not regenerated '
               'yet')
+HLO_BY_HAND = ('bytes read from compiled programs by hand (issue 20); '
+               'tests/train/test_outer_layout.py asserts the relation '
+               '(sharded = replicated x (1 + 1/M)), no results file yet')
 PRINTED = ('printed by the benchmark in the same run that wrote the results '
            'file beside it')
 
@@ -74,6 +77,12 @@ HAND_WRITTEN = {
      'worker | seconds on a 1 Gbit/s link |'): NOT_REGENERATED,
     ('robust_aggregation.md', '| run | final loss |'): NOT_REGENERATED,
     ('sharding.md', '| field | values | effect |'): REFERENCE,
+    ('sharding.md', '| value | per worker | where | sync program | '
+     'checkpoint |'): REFERENCE,
+    ('sharding.md', '| program | mesh (w x d x f x t) | replicated sync | '
+     'sharded, gathered (before) | sharded, per block (now) |'): HLO_BY_HAND,
+    ('overlap.md', '| method | one program over | the collective\'s result '
+     'feeds |'): REFERENCE,
     ('sharding.md', '| code | mesh (w x d x f x t) | step | arg MiB/dev | '
      'temp MiB/dev | within-worker MiB | vs ideal | cross-worker MiB/worker '
      '| vs fp32 params | compile s |'): NOT_REGENERATED,

@@ -151,7 +151,10 @@ def fragment_ids(
         f'{len(rank)} blocks matching {block_pattern!r} or stacked in '
         f'leaves matching {stacked_pattern!r}, and '
         f'{sum(b is None for b in blocks)} non-block leaves '
-        f'(separate_non_block={separate_non_block})')
+        f'(separate_non_block={separate_non_block}); for a model without '
+        f'numbered blocks pass fragments= explicitly: a tree of ints with '
+        f'the params\' structure (e.g. loc_opt.outer.balanced_fragments('
+        f'params, {p})) or a function (key_path, leaf) -> int')
   return treedef.unflatten(ids)
 
 

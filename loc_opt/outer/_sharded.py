@@ -8,9 +8,11 @@ row), and the outer optimizer's state over that shard. Strided rows keep
 the leaf's other axes, and a device's block of rows under FSDP holds
 whole groups of ``M`` rows, so the shard can take its parameter's
 sharding inside a worker. (XLA's SPMD partitioner, in a ``shard_map``
-manual over the worker axis only, still gathers a reduce-scatter's and an
+manual over the worker axis only, gathers a reduce-scatter's and an
 all-gather's operand inside the worker first: under FSDP / tensor
-parallelism the sync moves that many times the bytes; see
+parallelism the sync would move that many times the bytes. With
+``param_specs`` each leaf's collectives run on each device's block, manual
+over the axes inside the worker; see :func:`scatter_delta` and
 docs/sharding.md.) The sync then is
 
 .. math::
@@ -39,6 +41,8 @@ References:
   stage 1). https://arxiv.org/abs/1910.02054
 """
 
+import functools
+import math
 from typing import Any
 
 import jax
@@ -95,36 +99,144 @@ def shard_tree(tree: Any, axis_name: str) -> Any:
   return jax.tree.map(one, tree)
 
 
-def gather_tree(shards: Any, like: Any, axis_name: str) -> Any:
-  """The full leaves (shapes of ``like``) from every worker's rows: one
-  all-gather per leaf, the padding dropped."""
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, jax.P)
 
-  def one(s, x):
-    full = jax.lax.all_gather(s, axis_name, axis=1)
+
+def _names(entry) -> tuple[str, ...]:
+  """The mesh axes a spec entry names."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _block_specs(like: Any, specs: Any, num_workers: int
+                 ) -> list[tuple[Any, tuple[str, ...]] | None]:
+  """Per leaf of ``like``: ``(spec, spread)`` when the leaf can run its
+  collectives on each device's block, manual over the mesh axes inside a
+  worker, else None. ``spread``: the axes inside the worker that the leaf
+  is replicated over (data-parallel replicas), which then split its block
+  so that each replica sends its part.
+
+  A block holds the same rows of the worker's shard as the strided layout
+  when the leaf's rows split over its spec's leading axes into blocks of a
+  multiple of ``M`` rows (device ``k``'s block, rows ``i, i + M, ...`` of
+  it, is then the ``k``-th block of worker ``i``'s shard); the replicas
+  split those rows when the block is a multiple of ``M`` times their
+  count.
+  """
+  leaves = jax.tree.leaves(like)
+  if specs is None:
+    return [None] * len(leaves)
+  specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+  if len(specs) != len(leaves):
+    raise ValueError(f'param_specs has {len(specs)} leaves, the parameters '
+                     f'{len(leaves)}')
+  mesh = jax.sharding.get_abstract_mesh()
+  inner = [a for a in mesh.axis_names if a not in mesh.manual_axes] \
+      if not mesh.empty else []
+  if not inner:
+    return [None] * len(leaves)
+  out = []
+  for x, spec in zip(leaves, specs):
+    spec = jax.P() if spec is None else spec
+    used = {a for entry in spec for a in _names(entry)}
+    split = math.prod(mesh.shape[a] for a in _names(spec[0] if spec else None))
+    if x.ndim == 0 or x.shape[0] % (split * num_workers):
+      out.append(None)
+      continue
+    spread = tuple(a for a in inner if a not in used and mesh.shape[a] > 1)
+    replicas = math.prod(mesh.shape[a] for a in spread)
+    if (x.shape[0] // split) % (num_workers * replicas):
+      spread = ()
+    out.append((spec, spread))
+  return out
+
+
+def _part(x: jax.Array, spread: tuple[str, ...]) -> jax.Array:
+  """This replica's part of ``x``'s rows (all of them without ``spread``)."""
+  if not spread:
+    return x
+  rows = x.shape[0] // math.prod(jax.lax.axis_size(a) for a in spread)
+  return jax.lax.dynamic_slice_in_dim(
+      x, jax.lax.axis_index(spread) * rows, rows, axis=0)
+
+
+def _joined(x: jax.Array, spread: tuple[str, ...]) -> jax.Array:
+  """The replicas' parts of the rows, back in order (:func:`_part`)."""
+  return jax.lax.all_gather(x, spread, axis=0, tiled=True) if spread else x
+
+
+def _map_leaves(fn, blocks: list[Any], *trees, extra=()) -> Any:
+  """``fn(*leaves, *extra, spread=...)`` per leaf of ``trees``; where the
+  leaf has a block spec, under a ``shard_map`` manual over the axes inside
+  the worker (each device on its block; ``extra`` replicated)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  structure = jax.tree.structure(trees[0])
+  out = []
+  for block, *leaves in zip(blocks, *map(jax.tree.leaves, trees)):
+    if block is None:
+      out.append(fn(*leaves, *extra, spread=()))
+      continue
+    spec, spread = block
+    inner = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    # The replicas' parts are joined by an all-gather: the result is the
+    # same on each of them, which check_vma cannot infer.
+    out.append(jax.shard_map(
+        functools.partial(fn, spread=spread),
+        in_specs=(spec,) * len(leaves) + (jax.P(),) * len(extra),
+        out_specs=spec, axis_names=inner, check_vma=False)(*leaves, *extra))
+  return jax.tree.unflatten(structure, out)
+
+
+def gather_tree(shards: Any, like: Any, axis_name: str, *,
+                param_specs: Any = None) -> Any:
+  """The full leaves (shapes of ``like``) from every worker's rows: one
+  all-gather per leaf, the padding dropped. With ``param_specs`` (see
+  :func:`scatter_delta`), per device block where the rows allow."""
+  m = jax.lax.axis_size(axis_name)
+
+  def one(s, x, *, spread):
+    full = jax.lax.all_gather(_part(s, spread), axis_name, axis=1)
+    full = _joined(full, spread)
     full = full.reshape(-1, *full.shape[2:])
     return full[:x.shape[0] if x.ndim else 1].reshape(x.shape)
 
-  return jax.tree.map(one, shards, like)
+  return _map_leaves(one, _block_specs(like, param_specs, m), shards, like)
 
 
 def scatter_delta(anchor: Any, local: Any, included: jax.Array,
-                  axis_name: str) -> Any:
+                  axis_name: str, *, param_specs: Any = None) -> Any:
   """This worker's shard of the pseudo-gradient mean over the workers
   where ``included`` holds: ``phi_i - sum_i(theta') / count`` (zero when no
   worker is included), by a reduce-scatter of the local parameters in the
-  anchor's dtypes and a scalar all-reduce of the count."""
+  anchor's dtypes and a scalar all-reduce of the count.
+
+  ``param_specs``: the parameters' specs over the mesh axes inside a
+  worker (a tree of ``jax.P`` like ``local``), when this runs in a
+  ``shard_map`` manual over the worker axis only. A leaf whose rows split
+  over its spec's leading axes into blocks of a multiple of ``M`` rows
+  then reduce-scatters each device's block under a ``shard_map`` manual
+  over the axes inside the worker: each device sends its block, where
+  GSPMD would gather the leaf inside the worker first and every device
+  would send it whole; devices that hold the same block (data-parallel
+  replicas) each send a part of it and all-gather the parts inside the
+  worker. Same values, same layout of the shards.
+  """
   m = jax.lax.axis_size(axis_name)
   count = jax.lax.psum(included.astype(jnp.float32), axis_name)
-  scale = jnp.where(count > 0, 1 / jnp.maximum(count, 1.), 0.)
 
-  def one(a, x):
+  def one(a, x, included, count, *, spread):
+    scale = jnp.where(count > 0, 1 / jnp.maximum(count, 1.), 0.)
     x = jnp.where(included, x.astype(a.dtype), jnp.zeros((), a.dtype))
-    total = jax.lax.psum_scatter(_grouped(x, m), axis_name,
+    total = jax.lax.psum_scatter(_part(_grouped(x, m), spread), axis_name,
                                  scatter_dimension=1)
-    return jnp.where(count > 0, a - (total * scale).astype(a.dtype),
-                     jnp.zeros_like(a))
+    delta = _part(a, spread) - (total * scale).astype(a.dtype)
+    return _joined(jnp.where(count > 0, delta, jnp.zeros_like(delta)),
+                   spread)
 
-  return jax.tree.map(one, anchor, local)
+  return _map_leaves(one, _block_specs(local, param_specs, m), anchor, local,
+                     extra=(included, count))
 
 
 def _leaf_bytes(param: Any, layout: str, num_workers: int,

@@ -87,6 +87,7 @@ def diloco(
     trim: int = 1,
     clip_multiple: float = 1.0,
     outer_state_layout: str = 'replicated',
+    param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: local inner steps, periodic outer steps on averaged deltas.
 
@@ -186,6 +187,14 @@ def diloco(
       the median of the workers' pseudo-gradient norms.
     outer_state_layout: ``'replicated'`` (default) or ``'sharded'`` (each
       worker holds 1/M of the anchor and outer state; see above).
+    param_specs: ``'sharded'`` only, under a ``jax.shard_map`` manual over
+      the worker axis only: the parameters' partition specs over the mesh
+      axes inside a worker (a tree of ``jax.P`` like the parameters, e.g.
+      FSDP's). The reduce-scatter and all-gather of a leaf whose rows split
+      into blocks of a multiple of M then run on each device's block,
+      manual over those axes, instead of XLA gathering the leaf inside the
+      worker first (see :func:`loc_opt.outer._sharded.scatter_delta`);
+      same values. Pass the same specs to :func:`diloco_eval_params`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -208,7 +217,10 @@ def diloco(
     return _sharded_diloco(inner, sync_every=sync_every, outer=outer,
                            axis_name=axis_name, anchor_dtype=anchor_dtype,
                            reduce_fn=reduce_fn, codec=codec,
-                           aggregate=aggregate)
+                           aggregate=aggregate, param_specs=param_specs)
+  if param_specs is not None:
+    raise ValueError("diloco takes param_specs with outer_state_layout="
+                     "'sharded' only")
   inner = optax.with_extra_args_support(inner)
   outer = _local.nesterov_outer() if outer is None else outer
   if codec is not None and reduce_fn is not None:
@@ -261,7 +273,7 @@ def diloco(
 
 
 def _sharded_diloco(inner, *, sync_every, outer, axis_name, anchor_dtype,
-                    reduce_fn, codec, aggregate
+                    reduce_fn, codec, aggregate, param_specs
                     ) -> optax.GradientTransformationExtraArgs:
   """:func:`diloco` with ``outer_state_layout='sharded'``."""
   refused = {'a codec': codec is not None,
@@ -291,11 +303,13 @@ def _sharded_diloco(inner, *, sync_every, outer, axis_name, anchor_dtype,
     included = _local.all_finite(local)
     if present is not None:
       included = jnp.logical_and(present, included)
-    delta = _sharded.scatter_delta(state.anchor, local, included, axis)
+    delta = _sharded.scatter_delta(state.anchor, local, included, axis,
+                                   param_specs=param_specs)
     outer_updates, outer_state = outer.update(
         delta, state.outer_state, state.anchor)
     anchor = optax.apply_updates(state.anchor, outer_updates)
-    full = _sharded.gather_tree(anchor, local, axis)
+    full = _sharded.gather_tree(anchor, local, axis,
+                                param_specs=param_specs)
     left_out = state.left_out + jnp.logical_not(included).astype(jnp.int32)
     return _local.updates_to(full, params), dict(
         anchor=anchor, outer_state=outer_state, codec_state=(),
@@ -322,6 +336,7 @@ def local_sgd(
     trim: int = 1,
     clip_multiple: float = 1.0,
     outer_state_layout: str = 'replicated',
+    param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / FedAvg: every ``sync_every`` steps, average the parameters.
 
@@ -347,23 +362,27 @@ def local_sgd(
       trim=trim,
       clip_multiple=clip_multiple,
       outer_state_layout=outer_state_layout,
+      param_specs=param_specs,
   )
 
 
 def diloco_eval_params(state: DilocoState, params: optax.Params, *,
                        outer_state_layout: str = 'replicated',
-                       axis_name: str = 'worker') -> Any:
+                       axis_name: str = 'worker',
+                       param_specs: Any = None) -> Any:
   """The weights to evaluate: the outer parameters (anchor) in params dtypes.
 
   Between syncs the workers' local parameters drift apart; the anchor is the
   one shared model (Streaming DiLoCo, Table 3, finds it evaluates best).
   With ``outer_state_layout='sharded'`` the anchor's shards are all-gathered
-  over ``axis_name`` (call it under the worker map).
+  over ``axis_name`` (call it under the worker map; ``param_specs`` as
+  in :func:`diloco`).
   """
   if _sharded.check_layout(outer_state_layout) == 'sharded':
     axis = _checks.axis_bound(axis_name, 'loc_opt.diloco_eval_params')
     return _local.cast_like(
-        _sharded.gather_tree(state.anchor, params, axis), params)
+        _sharded.gather_tree(state.anchor, params, axis,
+                             param_specs=param_specs), params)
   return _local.cast_like(state.anchor, params)
 
 

@@ -123,6 +123,38 @@ class Plan:
       seen.setdefault(phase, None)
     return tuple(seen)
 
+  def window(self, count: int, steps: int,
+             steps_since_sync: int | None = None) -> tuple[Hashable, ...]:
+    """The phases of an overlap window that starts with the sync at
+    ``count``: that phase, then up to ``steps`` more, stopping before the
+    next phase that syncs (``loc_opt.parallel.overlap_window``).
+
+    For Streaming DiLoCo (``steps = tau``) that is the send, ``tau - 1``
+    inner steps and the fragment's merge; for Eager updates and CO2
+    (``steps = H``) the sync and the ``H - 1`` inner steps of the round.
+
+    Args:
+      count: inner steps taken before the window's first step.
+      steps: the most steps after the first.
+      steps_since_sync: as in :meth:`__call__`.
+
+    Returns:
+      A tuple of phases, the first a sync.
+
+    Raises:
+      ValueError: if the phase at ``count`` does not sync.
+    """
+    first = self(count, steps_since_sync)
+    if not self.is_sync(first):
+      raise ValueError(f'an overlap window starts with a sync; the phase '
+                       f'at count {count} is {first!r}')
+    phases = [first]
+    for phase in self.walk(count + 1, count + 1 + steps, 0):
+      if self.is_sync(phase):
+        break
+      phases.append(phase)
+    return tuple(phases)
+
   def num_syncs(self, start: int, stop: int) -> int:
     """Sync steps among counts ``start .. stop - 1`` of a run from 0."""
     since = self.steps_since_sync(start)

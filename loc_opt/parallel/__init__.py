@@ -19,6 +19,10 @@ from loc_opt.parallel import ideal
 from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport
+from loc_opt.parallel.dataflow import collective_dataflow
+from loc_opt.parallel.dataflow import CollectiveDataflow
+from loc_opt.parallel.overlap import overlap_window
+from loc_opt.parallel.hlo import host_arguments
 from loc_opt.parallel.wallclock import Link
 from loc_opt.parallel.wallclock import StepClock
 from loc_opt.parallel.wallclock import WallClock

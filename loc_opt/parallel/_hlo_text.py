@@ -215,3 +215,41 @@ def known_trip_count(raw: str) -> int | None:
   """The trip count XLA recorded in a `while`'s backend config, if any."""
   m = _TRIP_COUNT.search(raw)
   return int(m.group(1)) if m else None
+
+
+# Attributes that name the computations an instruction runs.
+_CALL_KEYS = ('calls', 'called_computations', 'to_apply', 'body',
+              'condition', 'branch_computations', 'true_computation',
+              'false_computation')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+def called_computations(ins: Instr) -> list[str]:
+  """Names of the computations `ins` runs (fusion, call, while body and
+  condition, conditional branches, async and reduction computations)."""
+  out = []
+  for key in _CALL_KEYS:
+    if f'{key}=' not in ins.attrs:
+      continue
+    value = attr(ins.attrs, key)
+    if not value:
+      continue
+    refs = split_top(value[1:-1]) if value[0] == '{' else [value]
+    out.extend(called_name(r) for r in refs)
+  return out
+
+
+def control_predecessors(ins: Instr) -> list[str]:
+  """Names in `ins`'s `control-predecessors={...}` (must run before it)."""
+  if 'control-predecessors=' not in ins.attrs:
+    return []
+  value = attr(ins.attrs, 'control-predecessors')
+  if not value or value[0] != '{':
+    return []
+  return [operand(x)[1] for x in split_top(value[1:-1])]
+
+
+def op_name(ins: Instr) -> str:
+  """The `op_name` of `ins`'s metadata (JAX's name stack), or `''`."""
+  m = _OP_NAME.search(ins.raw)
+  return m.group(1) if m else ''

@@ -18,6 +18,7 @@ of Language Models", 2023 (https://arxiv.org/abs/2311.08105).
 
 from collections.abc import Mapping
 import dataclasses
+import re
 from typing import NamedTuple
 
 import jax
@@ -269,6 +270,13 @@ def collective_bytes(
     report = collective_bytes(jax.jit(f).lower(x).compile(), mesh)
     report.cross_worker_bytes, report.branches
   """
+  text, order = read_program(program)
+  return report_of(hlo_text.parse_module(text), mesh, worker_axis, order)
+
+
+def read_program(program) -> tuple[str, list[int] | None]:
+  """``(optimized HLO text, device order or None)`` of a program given as
+  in :func:`collective_bytes`."""
   order = None
   if isinstance(program, jax.stages.Lowered):
     program = program.compile()
@@ -283,7 +291,12 @@ def collective_bytes(
       'program must be a jax.stages.Compiled, jax.stages.Lowered or str, '
       f'got {type(program).__name__}'
     )
-  header, comps, entry = hlo_text.parse_module(program)
+  return program, order
+
+
+def report_of(parsed, mesh, worker_axis, order) -> CollectiveReport:
+  """The :class:`CollectiveReport` of ``hlo_text.parse_module``'s output."""
+  header, comps, entry = parsed
   replicas = int(hlo_text.attr(header, 'replica_count') or 1)
   partitions = int(hlo_text.attr(header, 'num_partitions') or 1)
   n = replicas * partitions
@@ -449,3 +462,52 @@ class _Walker:
     if kind == 'all-gather':
       return result, nbytes // size
     return result, nbytes * (size if kind == 'reduce-scatter' else 1)
+
+
+# XLA's memory space of host memory (``memory_kind='pinned_host'``), as
+# printed in a layout: ``f32[4]{0:S(5)}``.
+_HOST_SPACE = re.compile(r':[^{}]*S\(5\)')
+
+
+def host_arguments(
+  program: 'jax.stages.Compiled | str',
+) -> dict[int, tuple[str, ...]]:
+  """The entry parameters a compiled program takes in host memory, and the
+  opcodes of the instructions of the entry computation that read each.
+
+  A parameter is in host memory when its layout in the module's
+  ``entry_computation_layout`` carries memory space 5 (``S(5)``:
+  ``jax.NamedSharding(..., memory_kind='pinned_host')``). A donated
+  parameter whose only reader is the root ``tuple`` is passed through
+  untouched (aliased to its output: no transfer, no compute); without
+  donation XLA copies it to a new output buffer (a ``copy``).
+
+  Args:
+    program: a compiled program or its optimized HLO text.
+
+  Returns:
+    ``{parameter number: (opcode of each reader, ...)}``.
+
+  Example::
+
+    users = host_arguments(jax.jit(step, in_shardings=...).lower(...)
+                           .compile())
+    untouched = all(u == ('tuple',) for u in users.values())
+  """
+  text = program if isinstance(program, str) else program.as_text()
+  header, comps, entry = hlo_text.parse_module(text)
+  key = 'entry_computation_layout={'
+  if key not in header:
+    raise ValueError('HLO module header has no entry_computation_layout')
+  start = header.index(key) + len(key)  # at the '(' of the arguments
+  args = hlo_text.split_top(
+      header[start + 1:hlo_text._balanced(header, start) - 1])
+  host = {i for i, a in enumerate(args) if _HOST_SPACE.search(a)}
+  instrs = comps[entry]
+  names = {int(x.operands[0]): x.name for x in instrs
+           if x.opcode == 'parameter'}
+  readers = {}
+  for i in sorted(host):
+    readers[i] = tuple(x.opcode for x in instrs if names[i] in
+                       (hlo_text.operand(o)[1] for o in x.operands))
+  return readers

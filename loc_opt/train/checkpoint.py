@@ -61,8 +61,9 @@ from loc_opt.train import registry
 # worker speeds drive async local SGD's and Decoupled DiLoCo's numerics.
 _MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',
                'num_steps', 'data', 'faults', 'wallclock.worker_speeds')
+# outer.overlap groups steps into programs, with the same numbers.
 _RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size',
-                      'faults.max_bad_steps')
+                      'faults.max_bad_steps', 'outer.overlap')
 
 # A branch must continue the same training problem and the same state
 # layout: everything under these fields must match, except the fields of
@@ -74,7 +75,8 @@ _BRANCH_MUST_MATCH = ('model', 'mesh', 'data', 'batch_size', 'seed',
                       'outer', 'optimizer')
 _BRANCH_MAY_DIFFER = ('optimizer.learning_rate', 'optimizer.schedule',
                       'optimizer.schedule_kwargs', 'outer.sync_every',
-                      'outer.sync_schedule', 'outer.sync_schedule_kwargs')
+                      'outer.sync_schedule', 'outer.sync_schedule_kwargs',
+                      'outer.overlap')
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -344,6 +346,11 @@ class Checkpointer:
       info = self._layout_info(step) if layout is not None else None
     except Exception as e:  # pylint: disable=broad-except
       raise _Unreadable(step, where, e) from e
+    if info is not None:  # a layout this run cannot read is no corruption
+      try:
+        layout.check(info)
+      except ValueError as e:
+        raise CheckpointError(f'checkpoint {where}: {e}') from None
     workers = _get(saved_config, 'mesh.workers')
     if layout is not None and info is None and workers != layout.workers:
       raise CheckpointError(
@@ -419,6 +426,7 @@ _ADDED_WITH_OLD_BEHAVIOUR = {
     'faults.chaos_chips_per_learner': 1,
     'outer.aggregate': 'mean',  # the plain mean; trim and clip unused
     'outer.aggregate_trim': 1, 'outer.aggregate_clip': 1.0,
+    'outer.state_layout': 'replicated',
 }
 
 # The faults fields only a method with a timeline (Method.step_inputs)
@@ -450,6 +458,10 @@ def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   Fields the run's method never reads (other methods' sections; the
   learner-failure fields without a timeline) may differ.
 
+  ``outer.state_layout`` may switch between ``'replicated'`` and
+  ``'offloaded'`` (the checkpoint is the same), not to or from
+  ``'sharded'``.
+
   The ``mesh`` fields (``mesh.workers``, and the axes inside a worker) may
   differ when the method's workers share an anchor (``Method.elastic``): an
   elastic resume (``loc_opt.train.elastic``); for the other methods the
@@ -462,6 +474,12 @@ def resume_diffs(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 for k, v in _ADDED_WITH_OLD_BEHAVIOUR.items())
   diffs = [d for d in config_diffs(saved, current, _MUST_MATCH, may_differ)
            if not d.startswith(_unread_prefixes(method)) and d not in added]
+  # The replicated and the offloaded outer state are stored alike (the
+  # placement is the run's): a run may switch between them on resume.
+  whole = ('replicated', 'offloaded')
+  if all((_get(c, 'outer.state_layout') or 'replicated') in whole
+         for c in (saved, current)):
+    diffs = [d for d in diffs if not d.startswith('outer.state_layout:')]
   out = []
   for d in diffs:
     if d.startswith('num_steps:'):

@@ -183,6 +183,27 @@ def outer_optimizer(config: ml_collections.ConfigDict
   return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
 
 
+# Where the outer state (anchor, outer optimizer state) lives between
+# steps: ``outer.state_layout`` (docs/sharding.md).
+STATE_LAYOUTS = ('replicated', 'sharded', 'offloaded')
+
+
+def state_layout(config: ml_collections.ConfigDict) -> str:
+  """``outer.state_layout``, validated: ``'replicated'`` (every worker holds
+  the whole outer state; the default, and the value of a config without the
+  field), ``'sharded'`` (each worker holds its 1/M, ZeRO stage 1) or
+  ``'offloaded'`` (replicated, in pinned host memory between syncs)."""
+  return _checks.one_of(config.outer.get('state_layout', 'replicated'),
+                        'outer.state_layout', STATE_LAYOUTS)
+
+
+def library_state_layout(config: ml_collections.ConfigDict) -> str:
+  """The ``outer_state_layout`` argument of ``loc_opt.diloco`` for the
+  config: ``'sharded'`` or ``'replicated'`` (offloading is the trainer's
+  placement, not the transform's)."""
+  return 'sharded' if state_layout(config) == 'sharded' else 'replicated'
+
+
 # outer.<field> -> the argument of loc_opt.diloco (and local_sgd,
 # streaming_diloco) it sets.
 AGGREGATE_FIELDS = {'aggregate': 'aggregate', 'aggregate_trim': 'trim',

@@ -29,6 +29,7 @@ from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import layout as layout_lib
+from loc_opt.train import outer_layout
 from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
@@ -125,11 +126,40 @@ def _check_method(config) -> None:
                      f'fixed plan; outer.sync_schedule must be '
                      f"'constant', got {sched!r}")
   registry.check_section(config)
+  outer_layout.check(config, method, registry.METHODS)
   cfg_lib.check_aggregate(config)
   # validates the sync schedule and the method's fields
   _check_syncs(config, method.plan(config))
   if method.per_worker:
     cfg_lib.make_compressor(config)
+  _check_overlap(config, method)
+
+
+# Methods whose sync's result is read only some steps later.
+_OVERLAPPED = ('streaming_diloco (outer.streaming_diloco.overlap > 0), '
+               'eager_diloco, co2')
+
+
+def _check_overlap(config, method) -> None:
+  """``outer.overlap``: 'none', or 'compiled' for a method whose sync's
+  collective may overlap the steps after it (``Method.overlap_steps``)."""
+  mode = config.outer.get('overlap', 'none')
+  if mode not in ('none', 'compiled'):
+    raise ValueError(f"outer.overlap must be 'none' or 'compiled', got "
+                     f'{mode!r}')
+  if mode == 'none':
+    return
+  name = config.outer.method
+  if method.step_inputs is not None:  # a simulated timeline of learners
+    raise ValueError(
+        f"outer.overlap='compiled': outer.method={name!r} runs on a "
+        'simulated timeline of learners, not one collective per sync; '
+        f'methods that support it: {_OVERLAPPED}')
+  if not method.per_worker or method.overlap_steps(config) <= 0:
+    raise ValueError(
+        f"outer.overlap='compiled': outer.method={name!r} reads every "
+        'sync\'s result at once, so no step can overlap its collective; '
+        f'methods that support it: {_OVERLAPPED}')
 
 
 def _check_dropout(config) -> None:
@@ -224,7 +254,9 @@ class Experiment:
     model: the model's functional interface.
     method: the training method.
     tx: the optimizer (inner optimizer wrapped by the method).
-    shardings: ``NamedSharding`` of every leaf of the train state.
+    shardings: ``NamedSharding`` of every leaf of the train state between
+      steps (``outer.state_layout='offloaded'``: the outer fields in
+      ``pinned_host`` memory).
     abstract_state: the train state's shapes, dtypes and shardings.
     programs: the compiled steps, their cross-worker bytes, and evaluation.
     lr_schedule: the inner learning-rate schedule.
@@ -254,9 +286,10 @@ class Experiment:
   @functools.cached_property
   def layout(self) -> layout_lib.StateLayout:
     """How checkpoints store the train state (shared fields once)."""
-    return layout_lib.StateLayout(self.method, self.tx, self.abstract_state,
-                                  self.config.mesh.workers,
-                                  self.config.batch_size)
+    return layout_lib.StateLayout(
+        self.method, self.tx, self.abstract_state, self.config.mesh.workers,
+        self.config.batch_size,
+        outer_state_layout=cfg_lib.state_layout(self.config))
 
   def init_state(self) -> dict[str, Any]:
     """The initial train state: one model initialisation on every worker."""
@@ -293,8 +326,11 @@ def build_experiment(config: ml_collections.ConfigDict,
   if mesh is None:
     mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
                                      config.mesh.fsdp, config.mesh.tensor)
-  method = registry.get_method(config.outer.method)
+  state_layout = cfg_lib.state_layout(config)
   model = models.build_model(config.model)
+  method = outer_layout.for_layout(registry.get_method(config.outer.method),
+                                   state_layout,
+                                   state_lib.param_specs(model, mesh))
   lr_schedule = cfg_lib.lr_schedule(config)
   plan = method.plan(config)
   tx = method.build(config, cfg_lib.make_inner(config, lr_schedule),
@@ -302,12 +338,15 @@ def build_experiment(config: ml_collections.ConfigDict,
   init = functools.partial(state_lib.init_state, model=model, tx=tx,
                            method=method, workers=config.mesh.workers)
   abstract = jax.eval_shape(init, jax.random.key(config.seed))
-  shardings = state_lib.state_shardings(
-      abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker)
+  on_device = state_lib.state_shardings(
+      abstract, state_lib.param_specs(model, mesh), mesh, method.per_worker,
+      row_shards=outer_layout.row_shards(method, state_layout))
+  shardings = outer_layout.at_rest(on_device, method, state_layout)
   abstract = ckpt_lib.abstract_with_shardings(abstract, shardings)
   programs = programs_lib.build_programs(
       config, model, tx, method, plan, mesh, shardings, abstract,
-      eval_params_fn(method, abstract['opt_state']))
+      eval_params_fn(method, abstract['opt_state']),
+      on_device=None if on_device == shardings else on_device)
   _, spike_steps = spikes_lib.spikes_from_config(config.optimizer,
                                                  config.num_steps)
   return Experiment(config, mesh, model, method, tx, shardings, abstract,

@@ -17,9 +17,14 @@ once: the train state is split into two trees before Orbax's
 (``opt_state`` of ``per_worker`` is the optimizer state itself when the
 method shares nothing, and ``shared`` then has no ``opt_state``.) A JSON item
 ``layout`` beside it records ``{'format': 1, 'workers': M, 'shared_fields':
-[...]}``, so a restore knows what it reads. Shared leaves are saved sharded
-like their parameter inside a worker and replicated over ``worker``, and
-restored broadcast back to every worker: a copy, so resume stays bit-exact.
+[...], 'outer_state_layout': ...}``, so a restore knows what it reads.
+Under ``outer.state_layout='sharded'`` the anchor and outer optimizer state
+hold each worker's own shard, are not shared fields, and are stored per
+worker; a checkpoint without ``outer_state_layout`` was written by the
+replicated layout (``'offloaded'`` stores as ``'replicated'`` does).
+Shared leaves are saved sharded like their parameter inside a worker and
+replicated over ``worker``, and restored broadcast back to every worker: a
+copy, so resume stays bit-exact.
 
 A checkpoint without the ``layout`` item (written before this layout) holds
 the whole state and is restored as such.
@@ -72,6 +77,8 @@ class StateLayout:
     abstract_state: the train state's shapes, dtypes and shardings.
     workers: ``mesh.workers``.
     batch_size: the global batch (reported on an elastic resume).
+    outer_state_layout: ``outer.state_layout`` (how the method's outer
+      fields are laid out; ``loc_opt.train.outer_layout``).
 
   Attributes:
     shared_fields: the fields of the method's state stored once (those of
@@ -79,8 +86,10 @@ class StateLayout:
   """
 
   def __init__(self, method: Method, tx: optax.GradientTransformation,
-               abstract_state: Any, workers: int, batch_size: int):
+               abstract_state: Any, workers: int, batch_size: int, *,
+               outer_state_layout: str = 'replicated'):
     self.method, self.tx = method, tx
+    self.outer_state_layout = outer_state_layout
     self.abstract_state = abstract_state
     self.workers, self.batch_size = workers, batch_size
     self.fields = state_fields(method, abstract_state['opt_state'])
@@ -91,7 +100,28 @@ class StateLayout:
   def info(self) -> dict[str, Any]:
     """The JSON item saved beside the state."""
     return {'format': FORMAT, 'workers': self.workers,
-            'shared_fields': list(self.shared_fields)}
+            'shared_fields': list(self.shared_fields),
+            'outer_state_layout': self.outer_state_layout}
+
+  def check(self, info: dict[str, Any]) -> None:
+    """Raises a ``ValueError`` if a checkpoint saved with layout ``info``
+    cannot resume here: its outer state is laid out otherwise (sharded
+    against whole), or sharded over another worker count."""
+    saved = info.get('outer_state_layout', 'replicated')
+    now = self.outer_state_layout
+    if (saved == 'sharded') != (now == 'sharded'):
+      raise ValueError(
+          f'the checkpoint stores the outer state with outer.state_layout='
+          f'{saved!r} and this run uses {now!r}: a sharded outer state '
+          "(each worker's 1/M) and a whole one cannot be exchanged on "
+          'resume; use the checkpoint\'s outer.state_layout')
+    old = int(info['workers'])
+    if now == 'sharded' and old != self.workers:
+      raise ValueError(
+          f'the checkpoint has {old} workers and this run {self.workers}: '
+          "with outer.state_layout='sharded' each worker stores its own "
+          f'1/{old} of the anchor and outer state, so the worker count '
+          f'cannot change on resume; resume with mesh.workers={old}')
 
   # ------------------------------------------------------------ split ---
   def _split(self, state: Any, shared_fields) -> dict[str, Any]:
@@ -173,6 +203,7 @@ class StateLayout:
     """
     if info is None:
       return tree, None
+    self.check(info)
     saved_fields = tuple(info['shared_fields'])
     old = int(info['workers'])
     shared, per_worker = tree['shared'], tree['per_worker']

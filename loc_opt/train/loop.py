@@ -154,6 +154,27 @@ class _Logger:
     self.last_time, self.last_step = time.perf_counter(), step
 
 
+def _window(exp, config, counters, phase, start, logger, ckpt
+            ) -> tuple | None:
+  """With ``outer.overlap='compiled'``, the phases of the overlapped
+  program that starts at a sync step; None (one step at a time) elsewhere,
+  or where the window would pass the run's end or ``halt_after_steps``, or
+  a log, evaluation or checkpoint falls inside it (the step-by-step
+  programs give the same numbers)."""
+  windows = exp.programs.windows
+  if windows is None or not exp.plan.is_sync(phase):
+    return None
+  phases = windows.phases(counters.step, counters.since_sync)
+  end = counters.step + len(phases)
+  halt = config.halt_after_steps
+  if end > config.num_steps or (halt and end - start > halt):
+    return None
+  for step in range(counters.step + 1, end):
+    if any(logger.due(step)) or ckpt.should_save(step, config.num_steps):
+      return None
+  return phases
+
+
 def _run_steps(exp, config, state, counters, data, logger, ckpt,
                config_json, preempt):
   """Trains from ``counters.step`` to the end (or ``halt_after_steps``, or
@@ -171,12 +192,20 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     if halt_after and counters.step - start >= halt_after:
       break
     phase = exp.plan(counters.step, counters.since_sync)
-    batch = exp_lib.train_batch(exp, data, position)
-    position += 1
-    state, loss_arr = programs.steps[phase](state, batch)
-    step_bytes = programs.bytes_per_step[phase]
-    counters.advance(exp.plan.is_sync(phase), step_bytes)
-    logger.clocks.advance(phase)
+    window = _window(exp, config, counters, phase, start, logger, ckpt)
+    if window is None:
+      batch = exp_lib.train_batch(exp, data, position)
+      state, loss_arr = programs.steps[phase](state, batch)
+      window = (phase,)
+    else:  # the sync and the steps that overlap it, one program
+      batches = tuple(exp_lib.train_batch(exp, data, position + i)
+                      for i in range(len(window)))
+      state, loss_arr = programs.windows[window](state, batches)
+    position += len(window)
+    for phase in window:
+      step_bytes = programs.bytes_per_step[phase]
+      counters.advance(exp.plan.is_sync(phase), step_bytes)
+      logger.clocks.advance(phase)
     log_now, eval_now = logger.due(counters.step)
     if log_now or eval_now:
       counters.bad_steps = faults.check(state, counters.step, max_bad)

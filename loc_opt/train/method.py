@@ -76,6 +76,15 @@ class Method:
       ``mesh.workers`` (``loc_opt.train.elastic``): the shared fields carry
       over and new workers start from the shared ``anchor``, which must be
       one of them.
+    state_layouts: the values of ``outer.state_layout`` the method supports
+      (``loc_opt.train.outer_layout``): ``'replicated'`` always;
+      ``'sharded'`` where its builder passes the layout to the library
+      (``loc_opt.diloco(outer_state_layout='sharded')``); ``'offloaded'``
+      where only its sync phases read ``outer_fields``.
+    outer_fields: the fields of the method's state that hold the outer state
+      (anchor and outer optimizer state), which ``outer.state_layout``
+      places: one shard per worker (``'sharded'``) or pinned host memory
+      between syncs (``'offloaded'``).
   """
 
   per_worker: bool
@@ -96,6 +105,8 @@ class Method:
   step_inputs: Callable[[Config], Callable[[Any, Any], dict[str, Any]]] \
       | None = None
   elastic: bool = False
+  state_layouts: tuple[str, ...] = ('replicated',)
+  outer_fields: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.shared_fields and not self.per_worker:
@@ -103,6 +114,9 @@ class Method:
     if self.elastic and 'anchor' not in self.shared_fields:
       raise ValueError("an elastic method needs 'anchor' in shared_fields "
                        '(new workers start from it)')
+    if set(self.state_layouts) - {'replicated'} and not self.outer_fields:
+      raise ValueError(f'state_layouts {self.state_layouts} need the '
+                       'outer_fields they place')
 
 
 def state_fields(method: Method, opt_state: Any) -> tuple[str, ...]:

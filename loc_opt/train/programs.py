@@ -29,12 +29,16 @@ from loc_opt import models
 from loc_opt import parallel
 from loc_opt.train import faults
 from loc_opt.train import hosts
+from loc_opt.train import outer_layout
 from loc_opt.train.method import Method
 from loc_opt.train.method import shared_mask
 
 P = jax.P
 # Programs compiled when an experiment is built (further phases: on use).
 EAGER_COMPILE_PHASES = 16
+# A window's runs of at least this many equal phases (Eager / CO2: the
+# round's inner steps) compile as one lax.scan; shorter ones are unrolled.
+WINDOW_SCAN_FROM = 4
 # The batch axes inside a worker.
 _BATCH_AXES = ('data', 'fsdp')
 
@@ -75,6 +79,41 @@ class StepPrograms(collections.abc.Mapping):
     return len(self._steps)
 
 
+class WindowPrograms:
+  """Overlapped programs (``outer.overlap='compiled'``), compiled on use.
+
+  ``windows.phases(count, steps_since_sync)`` is the window that starts at
+  a sync step (``loc_opt.outer.Plan.window`` over the method's
+  ``overlap_steps``); ``windows[phases]`` its program, ``(state, batches)
+  -> (state, loss of the last step)`` with one batch per phase, which runs
+  the sync step and the steps that overlap its collective as one program
+  (``loc_opt.parallel.overlap_window``). ``reports`` holds each compiled
+  window's collectives.
+  """
+
+  def __init__(self, compile_fn, plan, overlap_steps: int):
+    self._compile = compile_fn
+    self.plan, self.overlap_steps = plan, overlap_steps
+    self._programs: dict[tuple, Any] = {}
+    self.reports: dict[tuple, parallel.CollectiveReport] = {}
+
+  def phases(self, count: int, steps_since_sync: int | None = None
+             ) -> tuple:
+    """The phases of the window that starts at ``count`` (a sync)."""
+    return self.plan.window(count, self.overlap_steps, steps_since_sync)
+
+  def __getitem__(self, phases: tuple):
+    phases = tuple(phases)
+    if phases not in self._programs:
+      compiled, report = self._compile(phases)
+      self._programs[phases] = compiled
+      self.reports[phases] = report
+    return self._programs[phases]
+
+  def __len__(self):
+    return len(self._programs)
+
+
 class _BytesView(collections.abc.Mapping):
   """``phase -> cross-worker bytes``; compiles the phase if needed."""
 
@@ -103,11 +142,14 @@ class Programs:
     eval_params_fn: ``state -> eval weights`` (laid out like the params).
     params_loss_fn: ``(params, batch) -> per-worker loss`` of given weights
       (e.g. a WSM merge).
+    windows: with ``outer.overlap='compiled'``, the overlapped programs
+      (:class:`WindowPrograms`); else None.
   """
   steps: StepPrograms
   eval_fn: Any
   eval_params_fn: Any
   params_loss_fn: Any
+  windows: 'WindowPrograms | None' = None
 
   @property
   def bytes_per_step(self) -> collections.abc.Mapping:
@@ -183,8 +225,11 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
 
 
 def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
-                 abstract_state, phases) -> StepPrograms:
-  """The train step of every phase, the first few compiled now."""
+                 abstract_state, phases, on_device=None) -> StepPrograms:
+  """The train step of every phase, the first few compiled now. With
+  ``on_device`` (the state's shardings while a step runs, where
+  ``shardings`` keep the outer state in host memory between steps), every
+  phase but the inner one moves the state there and back."""
   abstract_batch = _abstract_batch(config, mesh, method.per_worker)
   loss_sharding = jax.NamedSharding(
       mesh, P(parallel.WORKER) if method.per_worker else P())
@@ -199,56 +244,92 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   worker_step = _worker_step(model, tx, faults.settings(config), method,
                              absent, reset, inputs)
 
-  def make_step(sync):
+  def step_fn(state, batch, sync):
     # Only a step that talks to no other worker can be skipped on its own.
     skippable = method.local_inner_steps and sync == plan.inner
     run = functools.partial(worker_step, sync=sync, skippable=skippable)
     if method.per_worker:
       run = parallel.shard_map_workers(run, mesh,
                                        in_axes=(0, 0, 0, 0, None))
-
-    def step(state, batch):
-      params, opt_state, counters, loss = run(
-          state['params'], state['opt_state'], state['faults'], batch,
-          state['step'])
-      new = dict(state, params=params, opt_state=opt_state, faults=counters,
-                 step=state['step'] + 1,
-                 data_position=state['data_position'] + 1)
-      return new, loss
-
-    return jax.jit(step, in_shardings=(shardings, abstract_batch.sharding),
-                   out_shardings=(shardings, loss_sharding),
-                   donate_argnums=0)
+    params, opt_state, counters, loss = run(
+        state['params'], state['opt_state'], state['faults'], batch,
+        state['step'])
+    new = dict(state, params=params, opt_state=opt_state, faults=counters,
+               step=state['step'] + 1,
+               data_position=state['data_position'] + 1)
+    return new, loss
 
   def compile_phase(phase):
-    # A method without a worker axis (data parallel) is traced with the mesh
-    # in context, so that the model's activation constraints apply as they
-    # do inside ``shard_map`` (there the mesh comes with the shard_map).
-    with (contextlib.nullcontext() if method.per_worker
-          else jax.set_mesh(mesh)):
-      lowered = make_step(phase).lower(abstract_state, abstract_batch)
-    compiled = lowered.compile()
-    return compiled, parallel.collective_bytes(compiled, mesh)
+    step = functools.partial(step_fn, sync=phase)
+    if on_device is not None and phase != plan.inner:
+      step = outer_layout.offloaded_step(step, on_device, shardings)
+    step = jax.jit(step,
+                   in_shardings=(shardings, abstract_batch.sharding),
+                   out_shardings=(shardings, loss_sharding),
+                   donate_argnums=0)
+    return _compile(step, method, mesh, abstract_state, abstract_batch)
+
+  def compile_window(phases):
+    if on_device is not None:  # the checks keep the two options apart
+      raise ValueError('outer.overlap=compiled does not run with '
+                       "outer.state_layout='offloaded'")
+    window = parallel.overlap_window(step_fn, phases,
+                                     scan_from=WINDOW_SCAN_FROM)
+    k = len(phases)
+    step = jax.jit(lambda state, batches: _last_loss(window(state, batches)),
+                   in_shardings=(shardings, (abstract_batch.sharding,) * k),
+                   out_shardings=(shardings, loss_sharding),
+                   donate_argnums=0)
+    return _compile(step, method, mesh, abstract_state, (abstract_batch,) * k,
+                    parallel.overlap.COMPILER_OPTIONS)
 
   steps = StepPrograms(compile_phase, phases)
   # The run's programs are compiled now (so throughput excludes compiling),
   # unless a plan has very many phases: those compile on first use.
   for phase in phases[:EAGER_COMPILE_PHASES]:
     steps[phase]
-  return steps
+  windows = None
+  if config.outer.get('overlap', 'none') == 'compiled':
+    windows = WindowPrograms(compile_window, plan,
+                             method.overlap_steps(config))
+  return steps, windows
+
+
+def _last_loss(out):
+  """``(state, loss of the window's last step)`` of a window's output."""
+  state, losses = out
+  return state, losses[-1]
+
+
+def _compile(step, method, mesh, abstract_state, abstract_batch,
+             options=None):
+  """The compiled ``step`` and its collectives (``options``: XLA's)."""
+  # A method without a worker axis (data parallel) is traced with the mesh
+  # in context, so that the model's activation constraints apply as they
+  # do inside ``shard_map`` (there the mesh comes with the shard_map).
+  with (contextlib.nullcontext() if method.per_worker
+        else jax.set_mesh(mesh)):
+    lowered = step.lower(abstract_state, abstract_batch)
+  compiled = lowered.compile(compiler_options=options)
+  return compiled, parallel.collective_bytes(compiled, mesh)
 
 
 def build_programs(config: ml_collections.ConfigDict, model: models.Model,
                    tx: optax.GradientTransformation, method: Method,
                    plan: Any, mesh: jax.sharding.Mesh, shardings: Any,
-                   abstract_state: Any, eval_params: Any) -> Programs:
+                   abstract_state: Any, eval_params: Any, *,
+                   on_device: Any = None) -> Programs:
   """Compiles the train step of each phase and the evaluation programs.
 
   Every worker evaluates its eval weights on its slice of the eval batch,
-  so evaluation itself crosses no worker boundary.
+  so evaluation itself crosses no worker boundary. ``on_device``: the
+  state's shardings while a program runs, when ``shardings`` (between
+  steps) keep the outer state in host memory (``outer.state_layout=
+  'offloaded'``); None otherwise.
   """
-  steps = _train_steps(config, model, tx, method, plan, mesh, shardings,
-                       abstract_state, plan.phases(config.num_steps))
+  steps, windows = _train_steps(config, model, tx, method, plan, mesh,
+                                shardings, abstract_state,
+                                plan.phases(config.num_steps), on_device)
 
   def worker_eval(params, opt_state, batch):
     return loss_fn(model, eval_params(opt_state, params), batch)
@@ -257,20 +338,26 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
                 if method.per_worker else lambda fn: fn)
   eval_sharding = batch_sharding(mesh, method.per_worker)
   eval_run = per_worker(worker_eval)
-  eval_fn = jax.jit(
-      lambda state, batch: eval_run(state['params'], state['opt_state'],
-                                    batch),
-      in_shardings=(shardings, eval_sharding))
   params_run = per_worker(lambda opt_state, params: eval_params(opt_state,
                                                                 params))
+
+  def on_dev(fn):  # evaluation reads the anchor: on the device
+    if on_device is None:
+      return fn
+    return outer_layout.to_device(fn, on_device, shardings)
+
+  eval_fn = jax.jit(
+      on_dev(lambda state, batch: eval_run(state['params'],
+                                           state['opt_state'], batch)),
+      in_shardings=(shardings, eval_sharding))
   eval_params_fn = jax.jit(
-      lambda state: params_run(state['opt_state'], state['params']),
+      on_dev(lambda state: params_run(state['opt_state'], state['params'])),
       in_shardings=(shardings,), out_shardings=shardings['params'])
   params_loss_fn = jax.jit(per_worker(functools.partial(loss_fn, model)),
                            in_shardings=(shardings['params'], eval_sharding))
   return Programs(steps=steps, eval_fn=eval_fn,
                   eval_params_fn=eval_params_fn,
-                  params_loss_fn=params_loss_fn)
+                  params_loss_fn=params_loss_fn, windows=windows)
 
 
 def mean_loss(loss_of_batch, eval_batches, config, per_worker) -> float:

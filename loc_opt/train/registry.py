@@ -33,6 +33,7 @@ from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hierarchy
+from loc_opt.train import outer_layout
 from loc_opt.train import simulated_time
 from loc_opt.train.method import Method
 
@@ -90,14 +91,16 @@ def _build_diloco(config, inner, axis_name):
       'outer.aggregate', outer_lib.diloco, inner,
       sync_every=cfg_lib.make_sync_every(config),
       outer=cfg_lib.outer_optimizer(config), axis_name=axis_name,
-      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
+      **outer_layout.library_kwargs(config, _codec),
+      **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_local_sgd(config, inner, axis_name):
   return cfg_lib.checked(
       'outer.aggregate', outer_lib.local_sgd, inner,
       sync_every=cfg_lib.make_sync_every(config), axis_name=axis_name,
-      codec=_codec(config), **cfg_lib.aggregate_kwargs(config))
+      **outer_layout.library_kwargs(config, _codec),
+      **cfg_lib.aggregate_kwargs(config))
 
 
 def _build_compressed_dp(config, inner, axis_name):
@@ -419,7 +422,8 @@ def _build_co2(config, inner, axis_name):
 # The optimizer-state fields that are bit-identical on every worker
 # (Method.shared_fields; tests/train/test_layout.py checks each set).
 _COUNTERS = ('count', 'steps_since_sync', 'num_syncs')
-_DILOCO_SHARED = ('anchor', 'outer_state') + _COUNTERS
+_OUTER_FIELDS = ('anchor', 'outer_state')  # outer.state_layout places them
+_DILOCO_SHARED = _OUTER_FIELDS + _COUNTERS
 # DES-LOC's inner state is averaged field by field on its own periods, so
 # it is shared only right after those syncs: per worker.
 _DESLOC_SHARED = ('anchor', 'outer_state', 'count', 'num_syncs')
@@ -446,12 +450,14 @@ METHODS: Mapping[str, Method] = {
         per_worker=True, build=_build_diloco, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
         follows_sync_schedule=True, shared_fields=_DILOCO_SHARED,
-        elastic=True, left_out=_left_out),
+        elastic=True, left_out=_left_out,
+        state_layouts=cfg_lib.STATE_LAYOUTS, outer_fields=_OUTER_FIELDS),
     'local_sgd': Method(
         per_worker=True, build=_build_local_sgd, plan=_period_plan,
         eval_params=_diloco_eval, counters=_diloco_counters,
         follows_sync_schedule=True, shared_fields=_DILOCO_SHARED,
-        elastic=True, left_out=_left_out),
+        elastic=True, left_out=_left_out,
+        state_layouts=cfg_lib.STATE_LAYOUTS, outer_fields=_OUTER_FIELDS),
     # Data parallel where each worker computes its own gradient and only the
     # compressed payloads (outer.codec) cross workers, every step.
     'compressed_data_parallel': Method(

@@ -30,7 +30,9 @@ def init_state(rng: jax.Array, *, model: models.Model,
   if method.per_worker:
     params = jax.tree.map(
         lambda x: jnp.broadcast_to(x, (workers,) + x.shape), params)
-    opt_state = jax.vmap(tx.init)(params)
+    # The worker axis is bound: a sharded outer state (outer.state_layout)
+    # takes each worker's shard of the anchor by its index.
+    opt_state = jax.vmap(tx.init, axis_name=parallel.WORKER)(params)
   else:
     opt_state = tx.init(params)
   return {
@@ -49,20 +51,50 @@ def param_specs(model: models.Model, mesh: jax.sharding.Mesh) -> Any:
   return models.resolve_specs(model.specs, mesh.axis_names)
 
 
-def _leaf_spec(path, leaf, specs: dict[tuple, Any]):
+def _axis_size(mesh: jax.sharding.Mesh, entry) -> int:
+  """Devices a spec entry (None, an axis or a tuple of axes) splits over."""
+  names = () if entry is None else (
+      (entry,) if isinstance(entry, str) else tuple(entry))
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
+
+
+def _leaf_spec(path, leaf, specs: dict[tuple, Any], mesh=None):
   """The within-worker spec of a state leaf: the param whose key path is the
-  longest suffix of the leaf's path (and shape matches), else replicated."""
+  longest suffix of the leaf's path (and shape matches), else replicated.
+
+  With ``mesh``, a leaf may also be a row shard of its parameter (the same
+  shape but the leading axis; ``outer.state_layout='sharded'``): it takes
+  the parameter's spec, its leading entry dropped where that does not
+  divide the shard's rows."""
   keys = tuple(str(k) for k in path)
   for start in range(len(keys)):
     hit = specs.get(keys[start:])
-    if hit is not None and hit[1] == tuple(leaf.shape[-len(hit[1]):] if
-                                           hit[1] else ()):
-      return hit[0]
+    if hit is None:
+      continue
+    spec, shape = hit
+    tail = tuple(leaf.shape[-len(shape):]) if shape else ()
+    if tail == shape:
+      return spec
+    if mesh is not None and shape and len(tail) == len(shape) and \
+        tail[1:] == shape[1:]:
+      entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+      if tail[0] % _axis_size(mesh, entries[0]):
+        entries = (None,) + entries[1:]
+      return P(*entries)
   return P()
 
 
-def state_shardings(abstract_state, specs, mesh, per_worker: bool):
-  """NamedShardings for every leaf of the train state."""
+def state_shardings(abstract_state, specs, mesh, per_worker: bool, *,
+                    row_shards: tuple[str, ...] = ()):
+  """NamedShardings for every leaf of the train state.
+
+  ``row_shards``: fields of the optimizer state (a NamedTuple) whose leaves
+  are row shards of their parameters (``outer.state_layout='sharded'``);
+  they take their parameter's spec inside a worker."""
+  shard_paths = tuple(f"['opt_state'].{f}" for f in row_shards)
   params_abstract = abstract_state['params']
   by_path = {}
   for (path, leaf), spec in zip(
@@ -74,7 +106,8 @@ def state_shardings(abstract_state, specs, mesh, per_worker: bool):
   def leaf_sharding(path, leaf):
     top = str(path[0]) if path else ''
     if top in ("['opt_state']", "['params']"):
-      spec = _leaf_spec(path[1:], leaf, by_path)
+      rows = jax.tree_util.keystr(tuple(path[:2])) in shard_paths
+      spec = _leaf_spec(path[1:], leaf, by_path, mesh if rows else None)
       if per_worker:
         spec = P(parallel.WORKER, *spec)
       return jax.NamedSharding(mesh, spec)

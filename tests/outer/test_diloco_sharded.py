@@ -175,3 +175,59 @@ def test_local_sgd_sharded_equals_replicated():
   got, _, _ = train('sharded', 4, tx=tx('sharded'))
   want, _, _ = train('replicated', 4, tx=tx('replicated'))
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('inside', ['fsdp', 'data'])
+def test_param_specs_send_each_devices_block(inside):
+  """With FSDP inside a worker, GSPMD gathers a leaf inside the worker
+  before the reduce-scatter (every device sends it whole); with
+  ``param_specs`` each device reduce-scatters and all-gathers its own block
+  (manual over the axes inside the worker), and data-parallel replicas
+  each send half of theirs: the same values bit for bit, half the leaf per
+  device in both cases. ``b`` (30 rows, not a multiple of M) keeps the
+  gathered path."""
+  mesh = parallel.make_worker_mesh(M, **{inside: 2})
+  params = helpers.stack({'w': jax.random.normal(jax.random.key(0),
+                                                 (64, 32)),
+                          'b': jnp.arange(30.)})
+  params = jax.tree.map(lambda x: x * (1 + jnp.arange(M).reshape(
+      (M,) + (1,) * (x.ndim - 1))), params)  # the workers differ
+  specs = {'w': jax.P('fsdp'), 'b': jax.P()}
+  split = {'w': jax.NamedSharding(mesh, jax.P(parallel.WORKER, 'fsdp')),
+           'b': jax.NamedSharding(mesh, jax.P(parallel.WORKER))}
+  params = jax.device_put(params, split)
+
+  def compiled(layout, param_specs=None):
+    kwargs = {} if param_specs is None else {'param_specs': param_specs}
+    tx = loc_opt.diloco(optax.sgd(0.1), sync_every=2,
+                        outer_state_layout=layout, **kwargs)
+    (state,) = jax.jit(parallel.vmap_workers(lambda p: (tx.init(p),)))(
+        params)
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params, sync=True)
+      return optax.apply_updates(params, updates), state
+
+    fn = jax.jit(parallel.shard_map_workers(step, mesh),
+                 in_shardings=(split, None, split))
+    program = fn.lower(params, state, params).compile()
+    return program(params, state, params), parallel.collective_bytes(
+        program, mesh)
+
+  (got, got_state), blocks = compiled('sharded', specs)
+  (want, want_state), gathered = compiled('sharded')
+  conf.assert_trees_close(got, want, rtol=0, atol=0)
+  conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
+  devices, b_rows = 8, 32  # b: 30 -> 32 fp32 rows, whole on every device
+  sent = blocks.by_kind(True)
+  assert sent['reduce-scatter'] == (64 * 32 // 2 + b_rows) * 4 * devices
+  assert sent['all-gather'] * M == sent['reduce-scatter']
+  # Without the specs w crosses whole from both of its devices.
+  assert gathered.by_kind(True)['reduce-scatter'] == \
+      (64 * 32 + b_rows) * 4 * devices
+  if inside == 'fsdp':  # and after a gather inside the worker
+    _, replicated = compiled('replicated')
+    assert replicated.by_kind(True) == {
+        'all-reduce': (64 * 32 // 2 + 30) * 4 * devices}
+    assert 'all-gather' in gathered.by_kind(False)
+    assert 'all-gather' not in blocks.by_kind(False)

@@ -145,6 +145,22 @@ def test_fragment_ids_raise_on_empty_fragment(layers, p):
     outer.fragment_ids(lm_params(layers), p)
 
 
+def test_model_without_blocks_is_told_how_to_fragment():
+  # An MLP's leaves match no block pattern: the error names the way out,
+  # and the suggested fragments work.
+  params = {'dense_0': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)},
+            'dense_1': {'kernel': jnp.zeros((8, 4)), 'bias': jnp.zeros(4)}}
+  tx = loc_opt.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                                num_fragments=2, axis_name=None)
+  with pytest.raises(ValueError, match=r'balanced_fragments\(params, 2\)'):
+    tx.init(params)
+  ids = outer.balanced_fragments(params, 2)
+  tx = loc_opt.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                                num_fragments=2, fragments=ids, axis_name=None)
+  assert sorted(set(jax.tree.leaves(ids))) == [0, 1]
+  tx.init(params)
+
+
 def test_fragments_as_callable_and_tree_agree():
   params = lm_params(3)
 

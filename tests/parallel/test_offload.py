@@ -38,3 +38,31 @@ def test_offloaded_outer_state_equals_on_device():
   assert int(got_state.num_syncs[0]) == 2
   conf.assert_trees_close(got, want, rtol=0, atol=0)
   conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
+
+
+def test_host_arguments_tells_a_pass_through_from_a_read():
+  mesh = helpers.worker_mesh()
+  device = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+  host = device.with_memory_kind('pinned_host')
+  x = jax.ShapeDtypeStruct((mesh.shape[parallel.WORKER], 4), 'float32',
+                           sharding=device)
+  h = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)
+
+  def passes(p, a):
+    return p * 2, a
+
+  def reads(p, a):
+    return p * 2, jax.device_put(jax.device_put(a, device) + 1, host)
+
+  def compile_(fn):
+    return jax.jit(fn, in_shardings=(device, host),
+                   out_shardings=(device, host),
+                   donate_argnums=(0, 1)).lower(x, h).compile()
+
+  # Argument 1 rests in host memory; argument 0 is not listed. Donated,
+  # a pass-through is aliased to its output: read by the output tuple only.
+  assert parallel.host_arguments(compile_(passes)) == {1: ('tuple',)}
+  users = parallel.host_arguments(compile_(reads))
+  assert list(users) == [1] and users[1] != ('tuple',)
+  with_text = parallel.host_arguments(compile_(passes).as_text())
+  assert with_text == {1: ('tuple',)}

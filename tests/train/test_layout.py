@@ -114,7 +114,8 @@ def test_checkpoint_stores_the_anchor_once_and_resumes_bit_exactly(
   exp = exp_lib.get_experiment(config)
   shapes, layout = _saved_tree(tmp_path / 'full' / 'checkpoints' / '12', exp)
   assert layout == {'format': 1, 'workers': workers, 'shared_fields': [
-      'anchor', 'outer_state', 'count', 'steps_since_sync', 'num_syncs']}
+      'anchor', 'outer_state', 'count', 'steps_since_sync', 'num_syncs'],
+                    'outer_state_layout': 'replicated'}
   anchor = {k: v for k, v in shapes.items() if "['anchor']" in k}
   params = {k: v for k, v in shapes.items() if "['params']" in k}
   assert anchor and len(anchor) == len(params)
