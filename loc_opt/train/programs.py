@@ -260,9 +260,13 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
     return new, loss
 
   def compile_phase(phase):
-    step = functools.partial(step_fn, sync=phase)
+    run = functools.partial(step_fn, sync=phase)
     if on_device is not None and phase != plan.inner:
-      step = outer_layout.offloaded_step(step, on_device, shardings)
+      run = outer_layout.offloaded_step(run, on_device, shardings)
+
+    def step(state, batch):  # the program's name in logs: jit(step)
+      return run(state, batch)
+
     step = jax.jit(step,
                    in_shardings=(shardings, abstract_batch.sharding),
                    out_shardings=(shardings, loss_sharding),

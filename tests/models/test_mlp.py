@@ -50,7 +50,7 @@ def test_float_and_integer_inputs(model, params):
   # Integer inputs are one-hot rows of the identity.
   np.testing.assert_allclose(
       logits[0, 1], apply(params, np.eye(16, dtype=np.float32)[3]),
-      rtol=1e-6,
+      rtol=1e-5,  # a gather and a one-hot matmul: fp32 rounding apart
   )
   with pytest.raises(ValueError, match='in_dim'):
     model.apply(params, jnp.ones((2, 7)))
