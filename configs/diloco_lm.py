@@ -185,6 +185,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Eager updates ('eager_diloco'): the average lands one round late.
   s = c.outer.eager_diloco = ml_collections.ConfigDict()
   s.naive = False  # True: the delayed average alone (ablation).
+  # Its own outer step (None: outer.learning_rate / outer.momentum).
+  s.learning_rate = ml_collections.config_dict.placeholder(float)
+  s.momentum = ml_collections.config_dict.placeholder(float)
   # NoLoCo ('noloco'): random peer groups, no all-reduce.
   s = c.outer.noloco = ml_collections.ConfigDict()
   s.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).

@@ -49,6 +49,7 @@ class Benchmark:
 # first. Every name is also the results file's name.
 BENCHMARKS: dict[str, Benchmark] = {
     'wire_bytes': Benchmark('wire_bytes'),
+    'outer_sweep': Benchmark('outer_sweep'),
     'diloco_family': Benchmark('diloco_family'),
     'compare_dp_diloco': Benchmark('compare_dp_diloco'),
     'compression_tradeoff': Benchmark('compression_tradeoff'),

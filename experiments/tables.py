@@ -223,7 +223,203 @@ def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
 
 
 # (results name, table name) -> renderer of the markdown table.
+def step_time_main(data: dict[str, Any]) -> str:
+  """DiLoCo's inner step against a data-parallel step."""
+  r = data['results']['step_time']
+  med, nbytes = r['median_step_s'], r['cross_worker_bytes_per_step']
+  return '\n'.join([
+      f'{r["num_params"]:,} parameters on {r["devices"]} devices; '
+      f'{r["steps_timed"]} steps per program, alternating blocks.', '',
+      '| program | median step | cross-worker bytes / step |',
+      '|---|---|---|',
+      f'| data-parallel (Optax AdamW, gradients all-reduced over every '
+      f'device) | {med["data_parallel"] * 1e3:.1f} ms | '
+      f'{nbytes["data_parallel"]:,} |',
+      f'| DiLoCo inner step (shard_map over `worker`, GSPMD inside) | '
+      f'{med["diloco"] * 1e3:.1f} ms | {nbytes["diloco"]:,} |',
+      f'| DiLoCo sync step | (not timed) | '
+      f'{r["diloco_sync_step_bytes"]:,} |', '',
+      f'Ratio DiLoCo inner / data-parallel: '
+      f'**{r["ratio_diloco_inner_over_dp"]:.3f}**.']) + '\n'
+
+
+def step_time_throughput(data: dict[str, Any]) -> str:
+  """Tokens/s through the launcher at issue 20's sizes (and exogym's)."""
+  r = data['results']['throughput']
+  exo = all('exogym' in row for row in r['sizes'].values())
+  head = '| model | params | loc_opt tok/s |'
+  head += ' exogym tok/s (its params) | loc_opt / exogym |' if exo else ''
+  lines = [f'4 workers, H = {r["sync_every"]}, {r["steps"]} steps per run, '
+           'median of the 10-step windows after the first.', '', head,
+           '|---|---:|---:|' + ('---:|---:|' if exo else '')]
+  for label, row in r['sizes'].items():
+    cells = [label, f'{row["num_params"]:,}', f'{row["tokens_per_s"]:,.0f}']
+    if exo:
+      e = row['exogym']
+      cells += [f'{e["tokens_per_s"]:,.0f} ({e["num_params"]:,})',
+                f'{row["tokens_per_s"] / e["tokens_per_s"]:.2f}']
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def step_time_levers(data: dict[str, Any]) -> str:
+  """Tokens/s of the 853k model under each CPU lever."""
+  r = data['results']['throughput']
+  levers = r['levers']
+  if not levers:
+    return 'No levers measured.\n'
+  base = next(iter(levers.values()))['tokens_per_s']
+  lines = [f'The {r["lever_size"]} model; each run as in the table above.',
+           '', '| lever | XLA_FLAGS / arguments | tok/s | vs first row |',
+           '|---|---|---:|---:|']
+  for name, row in levers.items():
+    extra = [a for a in row['args'] if a.startswith('--cpu_devices')
+             or a.startswith('--config.mesh') or a.startswith(
+                 '--config.model.scan') or a.startswith(
+                     '--config.model.attention')]
+    how = ', '.join(f'`{x}`' for x in [row['xla_flags']] + extra if x)
+    lines.append(f'| {name} | {how or "-"} | {row["tokens_per_s"]:,.0f} | '
+                 f'{row["tokens_per_s"] / base:.2f} |')
+  return '\n'.join(lines) + '\n'
+
+
+def benchmark_step_time_all(data: dict[str, Any]) -> str:
+  """Every part that ran, as the benchmark prints it."""
+  parts = []
+  if 'step_time' in data['results']:
+    parts.append(step_time_main(data))
+  if 'throughput' in data['results']:
+    parts += [step_time_throughput(data), step_time_levers(data)]
+  return '\n'.join(parts)
+
+
+def outer_sweep_main(data: dict[str, Any]) -> str:
+  """Final eval loss per method, M and outer lr (rows) and outer momentum
+  (columns); the best of each method and M in bold."""
+  res = data['results']
+  s = res['setup']
+  momenta = sorted({r['momentum'] for r in res['rows']}, reverse=True)
+  best: dict[tuple[str, int], float] = {}
+  for r in res['rows']:
+    key = (r['method'], r['workers'])
+    best[key] = min(best.get(key, float('inf')), r['final_eval_loss'])
+  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+           f'tokens; H = {s["sync_every"]}; M workers x {s["devices"]} / M '
+           f'devices; outer {"Nesterov" if s["nesterov"] else "heavy-ball"} '
+           'SGD. Final eval loss:', '',
+           '| method | M | outer lr | ' + ' | '.join(
+               f'momentum {m:g}' for m in momenta) + ' |',
+           '|---|---|---|' + '---|' * len(momenta)]
+  keys = []
+  for r in res['rows']:
+    key = (r['method'], r['workers'], r['learning_rate'])
+    if key not in keys:
+      keys.append(key)
+  for method, m, lr in keys:
+    cells = []
+    for mom in momenta:
+      hit = [r for r in res['rows'] if (r['method'], r['workers'],
+                                        r['learning_rate'], r['momentum'])
+             == (method, m, lr, mom)]
+      if not hit:
+        cells.append('')
+        continue
+      loss = hit[0]['final_eval_loss']
+      text = f'{loss:.4f}'
+      cells.append(f'**{text}**' if loss == best[(method, m)] else text)
+    lines.append(f'| {method} | {m} | {lr:g} | ' + ' | '.join(cells) + ' |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def claims_best_knob(rows, size: str, method: str) -> float | None:
+  """The tuned value of ``method`` at ``size`` with the lowest seed-0 final
+  eval loss (None before any run)."""
+  seed0 = [r for r in rows if r['size'] == size and r['method'] == method
+           and r['seed'] == 0]
+  if not seed0:
+    return None
+  return min(seed0, key=lambda r: r['final_eval_loss'])['knob']
+
+
+def claims_summary(rows, size: str, method: str):
+  """``(knob, losses)`` of a method's best setting at ``size``, every seed
+  of it; None before any run."""
+  knob = claims_best_knob(rows, size, method)
+  if knob is None:
+    return None
+  return knob, [r['final_eval_loss'] for r in rows if r['size'] == size
+                and r['method'] == method and r['knob'] == knob]
+
+
+def _mean_spread(losses: list[float]) -> str:
+  mean = sum(losses) / len(losses)
+  if len(losses) == 1:
+    return f'{mean:.4f} (1 seed)'
+  return (f'{mean:.4f} ± {(max(losses) - min(losses)) / 2:.4f} '
+          f'({len(losses)} seeds)')
+
+
+def claims_main(data: dict[str, Any]) -> str:
+  """DiLoCo M=1 / M=4 vs data-parallel per size: each method's best setting,
+  mean ± half the range over seeds, and the relative gap to data-parallel."""
+  res = data['results']
+  s, rows = res['setup'], res['rows']
+  methods = s['methods']
+  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+           f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
+           f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
+           f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
+           f'{s["knobs"]["diloco_m1"]} (inner lr {s["inner_learning_rate"]:g}'
+           '). Final eval loss of each method\'s best setting (tuned value '
+           'in brackets), mean ± half the range over seeds.', '',
+           '| size (params) | ' + ' | '.join(methods.values())
+           + ' | M=1 vs DP | M=4 vs DP |',
+           '|---|' + '---|' * (len(methods) + 2)]
+  for size in s['sizes']:
+    params = [r['num_params'] for r in rows if r['size'] == size]
+    if not params:
+      continue
+    cells, means = [], {}
+    for m in methods:
+      got = claims_summary(rows, size, m)
+      if got is None:
+        cells.append('')
+        continue
+      knob, losses = got
+      means[m] = sum(losses) / len(losses)
+      cells.append(f'{_mean_spread(losses)} [{knob:g}]')
+    for m in ('diloco_m1', 'diloco_m4'):
+      cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
+                   if m in means and 'dp' in means else '')
+    lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def claims_sweep(data: dict[str, Any]) -> str:
+  """Every seed-0 run of the sweep: final eval loss per tuned value."""
+  res = data['results']
+  rows = [r for r in res['rows'] if r['seed'] == 0]
+  lines = ['| size | method | tuned value | final eval loss | '
+           'cross-worker bytes |', '|---|---|---|---|---|']
+  for r in rows:
+    what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
+    lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
+                 f'{what}{r["knob"]:g} | {r["final_eval_loss"]:.4f} | '
+                 f'{format_bytes(r["cross_worker_bytes"])} |')
+  return '\n'.join(lines) + '\n'
+
+
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
+    ('claims', 'main'): claims_main,
+    ('claims', 'sweep'): claims_sweep,
+    ('outer_sweep', 'main'): outer_sweep_main,
+    ('benchmark_step_time', 'main'): step_time_main,
+    ('benchmark_step_time', 'throughput'): step_time_throughput,
+    ('benchmark_step_time', 'levers'): step_time_levers,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,

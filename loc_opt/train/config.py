@@ -173,14 +173,27 @@ def make_inner(config: ml_collections.ConfigDict,
   return tx if spike is None else optax.chain(spike, tx)
 
 
-def outer_optimizer(config: ml_collections.ConfigDict
+def outer_optimizer(config: ml_collections.ConfigDict,
+                    section: str | None = None
                     ) -> optax.GradientTransformation:
   """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer:
-  Nesterov SGD (DiLoCo's outer step) or heavy-ball SGD."""
+  Nesterov SGD (DiLoCo's outer step) or heavy-ball SGD.
+
+  With ``section``, the method's own ``outer.<section>.learning_rate`` and
+  ``momentum`` replace the shared ones where they are set (not None): a
+  per-method default, e.g. Eager updates' lower outer momentum.
+  """
   cfg = config.outer
+  lr, momentum = cfg.learning_rate, cfg.momentum
+  own = cfg.get(section) if section else None
+  if own is not None:
+    if own.get('learning_rate') is not None:
+      lr = own.learning_rate
+    if own.get('momentum') is not None:
+      momentum = own.momentum
   if not cfg.nesterov:
-    return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
-  return outer_lib.nesterov_outer(cfg.learning_rate, cfg.momentum)
+    return optax.sgd(lr, momentum=momentum or None)
+  return outer_lib.nesterov_outer(lr, momentum)
 
 
 # Where the outer state (anchor, outer optimizer state) lives between

@@ -9,9 +9,8 @@ A method's own settings live in the config section named after it,
 ``outer.<method>`` (``outer.streaming_diloco``, ``outer.noloco``, ...; see
 ``configs/diloco_lm.py``), beside the shared ``outer`` fields
 (``sync_every``, ``learning_rate``, ``momentum``, ``codec``). Fields the
-library functions also take are passed by name, and the config file's values
-are the functions' defaults (``tests/train/test_registry.py`` checks it), so
-there is one source for every default.
+library functions also take are passed by name with the functions' defaults
+in the config file (``tests/train/test_registry.py``): one source each.
 """
 
 from collections.abc import Callable, Mapping
@@ -262,8 +261,8 @@ def _decoupled_overlap(config) -> int:
 
 def _build_eager(config, inner, axis_name):
   return cfg_lib.checked(
-      'outer.eager_diloco', outer_lib.eager_diloco, inner,
-      sync_every=_h(config), outer=cfg_lib.outer_optimizer(config),
+      'outer.eager_diloco', outer_lib.eager_diloco, inner, sync_every=_h(
+          config), outer=cfg_lib.outer_optimizer(config, 'eager_diloco'),
       axis_name=axis_name, codec=cfg_lib.make_compressor(config),
       **_kwargs('eager_diloco', outer_lib.eager_diloco, config))
 
@@ -573,6 +572,8 @@ _SECTION_CHECKS: Mapping[str, Mapping[str, Callable[[Any, str], Any]]] = {
     'sparseloco': {'learning_rate': cfg_lib.learning_rate,
                    'ef_decay': lambda value, field: _checks.in_interval(
                        value, field, 0.0, 1.0)},
+    'eager_diloco': {'learning_rate': _optional(cfg_lib.learning_rate),
+                     'momentum': _optional(cfg_lib.momentum)},
     'co2': {'learning_rate': cfg_lib.learning_rate,
             'momentum': cfg_lib.momentum},
     'hierarchical_diloco': {'global_learning_rate': cfg_lib.learning_rate,

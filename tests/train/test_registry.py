@@ -11,6 +11,7 @@ own numerics and bytes are tested in ``tests/outer``.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -226,10 +227,44 @@ def test_stragglers_stretch_a_synchronous_run():
                    'outer.aggregate_trim': 2}, 'outer.aggregate_trim'),
     ('streaming_diloco', {'outer.aggregate_clip': 0.0},
      'outer.aggregate_clip'),
+    ('eager_diloco', {'outer.eager_diloco.momentum': 1.0},
+     'outer.eager_diloco.momentum'),
+    ('eager_diloco', {'outer.eager_diloco.learning_rate': -0.1},
+     'outer.eager_diloco.learning_rate'),
 ])
 def test_bad_fields_are_named(data_dir, method, bad, field):
   with pytest.raises(ValueError, match=field.replace('.', r'\.')):
     train.validate_config(_config(data_dir, method, **bad), 8)
+
+
+def test_eager_outer_step_reads_its_own_section(data_dir):
+  # Eager updates' own outer lr / momentum replace the shared ones where
+  # set; unset (None), the shared outer step is used.
+  def updates(tx):
+    params = {'w': jnp.array([0.5, -1.0, 2.0])}
+    state, out = tx.init(params), []
+    for g in ([1.0, -2.0, 0.5], [0.3, 0.1, -1.0], [-0.7, 0.2, 0.4]):
+      u, state = tx.update({'w': jnp.array(g)}, state, params)
+      out.append(u['w'])
+    return np.stack(out)
+
+  config = _config(data_dir, 'eager_diloco', **{
+      'outer.eager_diloco.learning_rate': 0.3,
+      'outer.eager_diloco.momentum': 0.5})
+  own = updates(cfg_lib.outer_optimizer(config, 'eager_diloco'))
+  np.testing.assert_allclose(own, updates(outer.nesterov_outer(0.3, 0.5)),
+                             rtol=1e-6)
+  shared = updates(outer.nesterov_outer(config.outer.learning_rate,
+                                        config.outer.momentum))
+  assert not np.allclose(own, shared)
+  np.testing.assert_allclose(
+      updates(cfg_lib.outer_optimizer(config)), shared, rtol=1e-6)
+  unset = _config(data_dir, 'eager_diloco', **{
+      'outer.eager_diloco.learning_rate': None,
+      'outer.eager_diloco.momentum': None})
+  np.testing.assert_allclose(
+      updates(cfg_lib.outer_optimizer(unset, 'eager_diloco')), shared,
+      rtol=1e-6)
 
 
 @pytest.mark.parametrize('name', sorted(

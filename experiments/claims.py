@@ -1,0 +1,174 @@
+r"""DiLoCo with M = 1 and M = 4 against data-parallel at three model sizes.
+
+The DiLoCo scaling-law result (Charles et al., "Communication-Efficient
+Language Model Training Scales Reliably and Robustly: Scaling Laws for
+DiLoCo", 2025) is that DiLoCo with one worker reaches a lower loss than
+data-parallel training at equal tokens, and that with more workers it comes
+close to data-parallel, the gap shrinking as the model grows. This study
+measures both on the reference byte-level LM at three sizes:
+
+* ``0.5M``: 2 blocks, d_model 128, MLP 512 (459,392 parameters);
+* ``2M``: 4 blocks, d_model 192, MLP 768 (about 1.9M);
+* ``8M``: 6 blocks, d_model 320, MLP 1280 (about 7.5M);
+
+all at the same tokens (``--num_steps`` x 32 sequences x 128 bytes), on 8
+devices (data-parallel over 8; DiLoCo M = 1 as one worker of 8 devices;
+M = 4 as 4 workers x 2). Tuning, the same effort for each method:
+
+* data-parallel: the inner (AdamW) peak learning rate over ``--dp_lrs``;
+* DiLoCo M = 1 and M = 4: the outer learning rate over ``--outer_lrs``
+  (Nesterov, momentum 0.9, H = ``--sync_every``) at the config's inner
+  learning rate;
+
+then the best setting of each method is rerun with the extra seeds
+``--seeds`` (model initialisation and data order), and the table reports
+its mean and spread (half the range) over all its seeds.
+
+  python -m experiments.claims --workdir=/work/runs/claims \
+    [--sizes=0.5M,2M,8M] [--num_steps=600] [--sync_every=30]
+
+Every run is resumable and a finished run is read back, so the command can
+be stopped and rerun at any point; the results file ``claims.json`` is
+rewritten after every run, with the runs still to do listed.
+"""
+
+import copy
+import os
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import _runs
+from experiments import tables
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
+_SIZES = flags.DEFINE_list('sizes', ['0.5M', '2M', '8M'], 'Model sizes.')
+_NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
+_SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
+_DP_LRS = flags.DEFINE_list('dp_lrs', ['3e-3', '1.5e-3'],
+                            'Data-parallel peak learning rates.')
+_OUTER_LRS = flags.DEFINE_list('outer_lrs', ['0.4', '0.7', '1.0'],
+                               'DiLoCo outer learning rates.')
+_SEEDS = flags.DEFINE_list('seeds', ['1', '2'],
+                           'Extra seeds of each method\'s best setting.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+flags.mark_flag_as_required('workdir')
+
+# label -> model fields
+SIZES = {
+    '0.5M': {'num_layers': 2, 'd_model': 128, 'd_ff': 512, 'num_heads': 4},
+    '2M': {'num_layers': 4, 'd_model': 192, 'd_ff': 768, 'num_heads': 4},
+    '8M': {'num_layers': 6, 'd_model': 320, 'd_ff': 1280, 'num_heads': 5},
+}
+# method -> (label, mesh workers, overrides)
+METHODS = {
+    'dp': ('data-parallel', 1, {'outer__method': 'data_parallel'}),
+    'diloco_m1': ('DiLoCo M=1', 1, {'outer__method': 'diloco'}),
+    'diloco_m4': ('DiLoCo M=4', 4, {'outer__method': 'diloco'}),
+}
+
+
+def _floats(values, flag):
+  try:
+    return [float(v) for v in values]
+  except ValueError as e:
+    raise app.UsageError(f'--{flag} takes numbers, got {values}') from e
+
+
+def _config(base, size, method, knob, seed):
+  """The run's config: ``knob`` is the tuned value (dp: inner lr; DiLoCo:
+  outer lr)."""
+  _, workers, overrides = METHODS[method]
+  devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
+             * base.mesh.tensor)
+  fields = {f'model__{k}': v for k, v in SIZES[size].items()}
+  fields.update(overrides)
+  fields.update({'num_steps': _NUM_STEPS.value, 'seed': seed,
+                 'outer__sync_every': _SYNC_EVERY.value,
+                 'mesh__workers': workers, 'mesh__data': devices // workers,
+                 'mesh__fsdp': 1, 'mesh__tensor': 1,
+                 'eval_every': max(_NUM_STEPS.value // 6, 1),
+                 'checkpoint_every': max(_NUM_STEPS.value // 6, 1)})
+  if method == 'dp':
+    fields['optimizer__learning_rate'] = knob
+  else:
+    fields['outer__learning_rate'] = knob
+  return _runs.variant(base, **fields)
+
+
+def _name(size, method, knob, seed):
+  return f'{size}_{method}_{knob:g}_s{seed}'
+
+
+class _Study:
+  """Runs (or reads back) the grid and writes the results after each."""
+
+  def __init__(self, base, sizes, knobs):
+    self.base, self.sizes, self.knobs = base, sizes, knobs
+    self.rows: list[dict] = []
+
+  def run(self, size, method, knob, seed):
+    name = _name(size, method, knob, seed)
+    c = _config(self.base, size, method, knob, seed)
+    label = f'{size} {METHODS[method][0]}, {knob:g}, seed {seed}'
+    s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
+    row = {'name': name, 'size': size, 'method': method, 'knob': knob,
+           'seed': seed, 'num_params': s['num_params'],
+           'final_eval_loss': s['final_eval_loss'],
+           'cross_worker_bytes': s['cross_worker_bytes'],
+           'syncs': s['syncs'], 'steps': s['step'],
+           'train_seconds': s.get('train_seconds_this_run'),
+           'curve': s['curve']['eval']}
+    self.rows.append(row)
+    return row
+
+  def write(self, pending):
+    setup = {'num_steps': _NUM_STEPS.value, 'sync_every': _SYNC_EVERY.value,
+             'batch_size': self.base.batch_size,
+             'seq_len': self.base.data.seq_len,
+             'outer_momentum': self.base.outer.momentum,
+             'inner_learning_rate': self.base.optimizer.learning_rate,
+             'knobs': self.knobs, 'sizes': {k: SIZES[k] for k in self.sizes},
+             'methods': {k: v[0] for k, v in METHODS.items()}}
+    results = {'setup': setup, 'rows': self.rows, 'pending': pending}
+    _runs.write(_WORKDIR.value, 'claims',
+                tables.render('claims', 'main', {'results': results}),
+                results)
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  unknown = [s for s in _SIZES.value if s not in SIZES]
+  if unknown:
+    raise app.UsageError(f'unknown sizes {unknown}; known: {list(SIZES)}')
+  if _NUM_STEPS.value < _SYNC_EVERY.value:
+    raise app.UsageError('--num_steps must be at least --sync_every')
+  base = copy.deepcopy(_CONFIG.value)
+  base.progress = False
+  knobs = {'dp': _floats(_DP_LRS.value, 'dp_lrs'),
+           'diloco_m1': _floats(_OUTER_LRS.value, 'outer_lrs'),
+           'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs')}
+  seeds = [int(s) for s in _SEEDS.value]
+  study = _Study(base, _SIZES.value, knobs)
+  # Sweeps of every size first (seed 0), smallest first, then the seeds.
+  todo = [(size, m, k, 0) for size in _SIZES.value for m in METHODS
+          for k in knobs[m]]
+  for i, job in enumerate(todo):
+    study.run(*job)
+    study.write([_name(*j) for j in todo[i + 1:]]
+                + [f'{size} seeds {seeds}' for size in _SIZES.value])
+  extra = []
+  for size in _SIZES.value:
+    for m in METHODS:
+      extra += [(size, m, tables.claims_best_knob(study.rows, size, m), s) for s in seeds]
+  for i, job in enumerate(extra):
+    study.run(*job)
+    study.write([_name(*j) for j in extra[i + 1:]])
+
+
+if __name__ == '__main__':
+  app.run(main)
