@@ -1,16 +1,40 @@
-r"""Per-step time of a DiLoCo inner step vs a plain data-parallel step.
+r"""Step time and training throughput on this machine.
 
-Both programs are compiled from the same config (model, optimizer, mesh,
-batch); only ``outer.method`` differs. Steps are timed one at a time
-(``block_until_ready``), alternating blocks of the two programs so that
-machine noise hits both alike, and the medians are compared.
+Two parts (``--parts``, both by default):
+
+* ``step_time``: the DiLoCo inner step against a plain data-parallel step.
+  Both programs are compiled from the same config (model, optimizer, mesh,
+  batch); only ``outer.method`` differs. Steps are timed one at a time
+  (``block_until_ready``), alternating blocks of the two programs so that
+  machine noise hits both alike, and the medians are compared.
+* ``throughput``: tokens per second through the launcher's own path
+  (``python -m experiments.train``, its ``perf/tokens_per_s``, which counts
+  ``batch_size * seq_len`` tokens per step and excludes compilation,
+  evaluation and checkpoints) at the three sizes of issue 20 (459k, 853k and
+  1.48M parameters; 4 workers, H = 10, fp32, AdamW inside, Nesterov outside),
+  and at the 853k size under each CPU lever in :data:`LEVERS` (meshes, XLA:CPU
+  flags, model layout). Each run is a child process of its own (XLA flags
+  are read when the backend starts), ``--throughput_steps`` steps long; the
+  figure is the median over its logged windows of 10 steps (each with one
+  sync step), the first window left out.
+
+  With ``--exogym_python`` (a Python with torch and exogym installed, see
+  ``experiments/reference/exogym_throughput.py``) the PyTorch simulator
+  exogym runs the same model size, batch, H and optimizers right after each
+  loc_opt run, so both are measured on the same machine in the same minutes.
 
   python -m experiments.benchmark_step_time --config=configs/diloco_lm.py \
-    [--steps=60] [--workdir=/tmp/step_time]
+    [--steps=60] [--workdir=/tmp/step_time] \
+    [--exogym_python=/tmp/torchenv/bin/python]
 """
 
 import json
+import os
+import pathlib
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 from absl import app
@@ -18,6 +42,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -27,6 +52,50 @@ _WORKDIR = flags.DEFINE_string(
     'workdir', '', 'Write the results file benchmark_step_time.json here.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8,
                                     'Virtual CPU devices.')
+_PARTS = flags.DEFINE_list('parts', ['step_time', 'throughput'],
+                           'Which parts to run: step_time, throughput.')
+_THROUGHPUT_STEPS = flags.DEFINE_integer(
+    'throughput_steps', 60, 'Steps of each throughput run (a multiple of 10, '
+    '>= 30).')
+_LEVERS = flags.DEFINE_list(
+    'levers', None, 'Levers to measure at the 853k size (default: all of '
+    'LEVERS; an empty value measures none).')
+_EXOGYM_PYTHON = flags.DEFINE_string(
+    'exogym_python', os.environ.get('EXOGYM_PYTHON', ''),
+    'A Python with torch and exogym: also measure '
+    'exogym at each size (experiments/reference/exogym_throughput.py).')
+
+# Issue 20's model sizes: label -> config overrides.
+SIZES = {
+    '459k': (),
+    '853k': ('--config.model.num_layers=4',),
+    '1.48M': ('--config.model.num_layers=4', '--config.model.d_model=192'),
+}
+# What each throughput run overrides in the given config (the issue's
+# setting: H = 10; no evaluation, one checkpoint at the end).
+THROUGHPUT_OVERRIDES = (
+    '--config.outer.method=diloco', '--config.outer.sync_every=10',
+    '--config.eval_every=0', '--config.checkpoint_every=0',
+    '--config.log_every=10', '--config.progress=False',
+    "--config.logging.backends=('jsonl',)")
+# CPU levers tried at the 853k size: name -> (XLA_FLAGS, extra arguments).
+LEVERS = {
+    'default (4 workers x 2 devices, 8 devices)': ('', ()),
+    'mesh 4 x 1 (4 devices)': ('', ('--config.mesh.data=1',
+                                    '--cpu_devices=4')),
+    'mesh 4 x 4 (16 devices)': ('', ('--config.mesh.data=4',
+                                     '--cpu_devices=16')),
+    'blocks under lax.scan': ('', ('--config.model.scan_layers=True',)),
+    'jax.nn.dot_product_attention (xla)': (
+        '', ('--config.model.attention=xla',)),
+    'XLA:CPU oneDNN': ('--xla_cpu_use_onednn=true', ()),
+    'XLA:CPU XNNPACK': ('--xla_cpu_use_xnnpack=true', ()),
+    'XLA:CPU without YNNPACK fusions': (
+        '--xla_cpu_experimental_ynn_fusion_type=', ()),
+}
+LEVER_SIZE = '853k'
+EXOGYM_SCRIPT = (pathlib.Path(__file__).resolve().parent / 'reference'
+                 / 'exogym_throughput.py')
 
 
 def time_steps(step_fn, state, batch, n):
@@ -39,8 +108,89 @@ def time_steps(step_fn, state, batch, n):
   return state, times
 
 
-def main(argv):
-  del argv
+def _launcher_tokens_per_s(workdir: pathlib.Path, args, xla_flags: str
+                           ) -> dict:
+  """Runs ``experiments.train`` with ``args`` in a child process and returns
+  the median of its logged ``perf/tokens_per_s`` (first window left out)."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  workdir.mkdir(parents=True)
+  env = dict(os.environ)
+  env.pop('XLA_FLAGS', None)
+  if xla_flags:
+    env['XLA_FLAGS'] = xla_flags
+  cmd = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}',
+         *args]
+  t = time.time()
+  with open(workdir / 'train.log', 'w') as log:
+    proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          cwd=pathlib.Path(__file__).resolve().parent.parent,
+                          check=False)
+  if proc.returncode:
+    raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}); see '
+                       f'{workdir / "train.log"}')
+  rows = [json.loads(line) for line in
+          (workdir / 'metrics.jsonl').read_text().splitlines()]
+  windows = [r['perf/tokens_per_s'] for r in rows
+             if 'perf/tokens_per_s' in r][1:]
+  summary = json.loads((workdir / 'summary.json').read_text())
+  return {'tokens_per_s': statistics.median(windows),
+          'windows_tokens_per_s': windows, 'xla_flags': xla_flags,
+          'args': list(args), 'num_params': summary['num_params'],
+          'compile_seconds': summary['compile_seconds'],
+          'wall_seconds': time.time() - t}
+
+
+def _exogym_tokens_per_s(python: str, size_args, steps: int) -> dict:
+  """exogym's tokens/s at the size given by loc_opt's ``size_args``."""
+  layers, d_model = 2, 128
+  for a in size_args:
+    if a.startswith('--config.model.num_layers='):
+      layers = int(a.split('=')[1])
+    if a.startswith('--config.model.d_model='):
+      d_model = int(a.split('=')[1])
+  cmd = [python, str(EXOGYM_SCRIPT), f'--num_layers={layers}',
+         f'--d_model={d_model}', f'--steps={steps}']
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f'{" ".join(cmd)} failed: {proc.stderr[-2000:]}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def throughput(config_path: str, steps: int, workdir: pathlib.Path,
+               levers, exogym_python: str) -> dict:
+  """The throughput part: sizes (and exogym beside them), then levers."""
+  if steps % 10 or steps < 30:
+    raise ValueError(f'--throughput_steps must be a multiple of 10, >= 30, '
+                     f'got {steps}')
+  unknown = [k for k in levers if k not in LEVERS]
+  if unknown:
+    raise ValueError(f'unknown levers {unknown}; known: {sorted(LEVERS)}')
+  base = (f'--config={config_path}', f'--config.num_steps={steps}',
+          *THROUGHPUT_OVERRIDES)
+  sizes = {}
+  for label, size_args in SIZES.items():
+    row = _launcher_tokens_per_s(workdir / 'sizes' / label,
+                                 (*base, *size_args), '')
+    if exogym_python:
+      row['exogym'] = _exogym_tokens_per_s(exogym_python, size_args, steps)
+    sizes[label] = row
+    print(f'{label}: loc_opt {row["tokens_per_s"]:,.0f} tok/s'
+          + (f', exogym {row["exogym"]["tokens_per_s"]:,.0f} tok/s'
+             if exogym_python else ''), flush=True)
+  lever_rows = {}
+  for i, name in enumerate(levers):
+    xla_flags, extra = LEVERS[name]
+    lever_rows[name] = _launcher_tokens_per_s(
+        workdir / 'levers' / str(i), (*base, *SIZES[LEVER_SIZE], *extra),
+        xla_flags)
+    print(f'{LEVER_SIZE}, {name}: '
+          f'{lever_rows[name]["tokens_per_s"]:,.0f} tok/s', flush=True)
+  return {'steps': steps, 'sync_every': 10, 'lever_size': LEVER_SIZE,
+          'sizes': sizes, 'levers': lever_rows}
+
+
+def step_time() -> dict:
+  """The DiLoCo-inner vs data-parallel part."""
   _runs.setup(_CPU_DEVICES.value)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -69,7 +219,7 @@ def main(argv):
                                  _BLOCK.value)
       times[k] += ts
   med = {k: statistics.median(v) for k, v in times.items()}
-  result = {
+  return {
       'median_step_s': med,
       'ratio_diloco_inner_over_dp': med['diloco'] / med['data_parallel'],
       'cross_worker_bytes_per_step': {
@@ -79,18 +229,29 @@ def main(argv):
       'devices': str(jax.devices()[0].platform) + f' x{jax.device_count()}',
       'num_params': exps['diloco'].model.num_params,
   }
-  print(f'median step: DiLoCo inner {med["diloco"] * 1e3:.2f} ms, '
-        f'data-parallel {med["data_parallel"] * 1e3:.2f} ms, ratio '
-        f'{result["ratio_diloco_inner_over_dp"]:.3f} '
-        f'({result["steps_timed"]} steps each)')
-  print('cross-worker bytes per step: DiLoCo inner '
-        f'{result["cross_worker_bytes_per_step"]["diloco"]}, data-parallel '
-        f'{result["cross_worker_bytes_per_step"]["data_parallel"]}; DiLoCo '
-        f'sync step {result["diloco_sync_step_bytes"]}')
-  if _WORKDIR.value:
-    _runs.write(_WORKDIR.value, 'benchmark_step_time',
-                json.dumps(result, indent=2) + '\n', result)
 
+
+def main(argv):
+  del argv
+  parts = set(_PARTS.value)
+  if not parts or parts - {'step_time', 'throughput'}:
+    raise app.UsageError(f'--parts takes step_time and/or throughput, got '
+                         f'{_PARTS.value}')
+  result = {}
+  if 'step_time' in parts:
+    result['step_time'] = step_time()
+  if 'throughput' in parts:
+    levers = list(LEVERS) if _LEVERS.value is None else _LEVERS.value
+    result['throughput'] = throughput(
+        config_flags.get_config_filename(flags.FLAGS['config']),
+        _THROUGHPUT_STEPS.value,
+        pathlib.Path(_WORKDIR.value or '/tmp/step_time') / 'throughput',
+        levers, _EXOGYM_PYTHON.value)
+  markdown = tables.benchmark_step_time_all({'results': result})
+  if _WORKDIR.value:
+    _runs.write(_WORKDIR.value, 'benchmark_step_time', markdown, result)
+  else:
+    print(markdown)
 
 if __name__ == '__main__':
   app.run(main)

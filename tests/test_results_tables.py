@@ -32,8 +32,6 @@ PRINTED = ('printed by the benchmark in the same run that wrote the results '
 # (page under docs/, header row) -> why the table is typed by hand. Every
 # table with that header on that page is covered.
 HAND_WRITTEN = {
-    ('benchmarks.md', '| program | median step (60 steps, alternating blocks '
-     'of 5) | cross-worker bytes / step |'): NOT_REGENERATED,
     ('benchmarks.md', '| run | final eval loss | cross-worker bytes | vs its '
      'fp32 reference |'): NOT_REGENERATED,
     ('benchmarks.md', '| schedule (300 steps) | final eval loss |'):
