@@ -72,7 +72,23 @@ RUNS = {
                       {'outer__method': 'streaming_diloco',
                        'outer__codec': 'fp4_e3m0',
                        'outer__codec_kwargs': {'block_size': None}}),
+    # Eager updates with its own outer step (outer.eager_diloco in the
+    # config, chosen by experiments.outer_sweep) and with DiLoCo's shared
+    # one, at M = 4 and M = 2, beside DiLoCo at M = 2.
     'eager': ('Eager updates', {'outer__method': 'eager_diloco'}),
+    'eager_shared': ('Eager updates, DiLoCo\'s outer step',
+                     {'outer__method': 'eager_diloco',
+                      'outer__eager_diloco__learning_rate': None,
+                      'outer__eager_diloco__momentum': None}),
+    'diloco_m2': ('DiLoCo, M=2', {'outer__method': 'diloco',
+                                  'mesh__workers': 2, 'mesh__data': 4}),
+    'eager_m2': ('Eager updates, M=2', {'outer__method': 'eager_diloco',
+                                        'mesh__workers': 2, 'mesh__data': 4}),
+    'eager_m2_shared': ('Eager updates, M=2, DiLoCo\'s outer step',
+                        {'outer__method': 'eager_diloco',
+                         'outer__eager_diloco__learning_rate': None,
+                         'outer__eager_diloco__momentum': None,
+                         'mesh__workers': 2, 'mesh__data': 4}),
     'eager_naive': ('Eager ablation: naive one-round delay',
                     {'outer__method': 'eager_diloco',
                      'outer__eager_diloco__naive': True}),
@@ -101,6 +117,12 @@ RUNS = {
 def _config(base, name, sync_every, straggler):
   label, overrides = RUNS[name]
   c = _runs.variant(base, outer__sync_every=sync_every, **overrides)
+  if c.outer.method == 'eager_diloco':  # the outer step it ran with
+    own = c.outer.eager_diloco
+    lr = (c.outer.learning_rate if own.get('learning_rate') is None
+          else own.learning_rate)
+    mom = c.outer.momentum if own.get('momentum') is None else own.momentum
+    label += f' (outer lr {lr:g}, momentum {mom:g})'
   if name in ('async', 'decoupled'):
     speeds = (1.0,) * (c.mesh.workers - 1) + (straggler,)
     c.wallclock.worker_speeds = speeds

@@ -9,12 +9,30 @@ those of a default build; numerics comparisons run both sides under the
 same setting. Subprocesses (the multi-process and preemption tests)
 inherit it through the environment. Set ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``
 to run the suite with default optimization.
+
+Many tests compile the same programs (the tiny trainer's steps, the same
+transform on the same mesh), so the run shares one persistent XLA
+compilation cache between all its processes (the xdist workers and the
+subprocesses of the multi-process tests inherit its directory through the
+environment): a program compiled once is read back by every later test.
+The cache is keyed by the HLO, the compile options and the versions, so a
+hit is the same executable; the directory is new for each run and removed
+at its end. Set ``JAX_COMPILATION_CACHE_DIR`` to keep one across runs.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the first process
+  _CACHE = tempfile.mkdtemp(prefix='loc_opt_tests_xla_cache_')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 import jax  # noqa: E402
 
