@@ -185,9 +185,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Eager updates ('eager_diloco'): the average lands one round late.
   s = c.outer.eager_diloco = ml_collections.ConfigDict()
   s.naive = False  # True: the delayed average alone (ablation).
-  # Its own outer step (None: outer.learning_rate / outer.momentum).
+  # Its own outer step (None: outer.learning_rate / outer.momentum). With
+  # DiLoCo's momentum 0.9, the (M-1)/M of each outer gradient that lands a
+  # round late makes the outer recursion unstable at M = 4 (issue 17);
+  # experiments.outer_sweep (300 steps, H = 30, lr 0.7, momenta 0.9 / 0.7 /
+  # 0.5 / 0.3) found 0.3 best at both M = 2 (1.8675 vs 2.1852 at 0.9) and
+  # M = 4 (2.0427 vs 2.6888): docs/benchmarks.md. Lower values are untried.
   s.learning_rate = ml_collections.config_dict.placeholder(float)
-  s.momentum = ml_collections.config_dict.placeholder(float)
+  s.momentum = 0.3
   # NoLoCo ('noloco'): random peer groups, no all-reduce.
   s = c.outer.noloco = ml_collections.ConfigDict()
   s.momentum = 0.5  # alpha (heavy-ball; lr is learning_rate).
