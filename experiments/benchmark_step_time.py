@@ -65,12 +65,16 @@ _EXOGYM_PYTHON = flags.DEFINE_string(
     'A Python with torch and exogym: also measure '
     'exogym at each size (experiments/reference/exogym_throughput.py).')
 
-# Issue 20's model sizes: label -> config overrides.
-SIZES = {
-    '459k': (),
-    '853k': ('--config.model.num_layers=4',),
-    '1.48M': ('--config.model.num_layers=4', '--config.model.d_model=192'),
-}
+# Issue 20's model sizes: label -> (num_layers, d_model); the config's
+# other model fields (d_ff 512, 4 heads) are kept.
+SIZES = {'459k': (2, 128), '853k': (4, 128), '1.48M': (4, 192)}
+
+
+def _size_args(label: str) -> tuple[str, ...]:
+  layers, d_model = SIZES[label]
+  return (f'--config.model.num_layers={layers}',
+          f'--config.model.d_model={d_model}')
+
 # What each throughput run overrides in the given config (the issue's
 # setting: H = 10; no evaluation, one checkpoint at the end).
 THROUGHPUT_OVERRIDES = (
@@ -140,14 +144,9 @@ def _launcher_tokens_per_s(workdir: pathlib.Path, args, xla_flags: str
           'wall_seconds': time.time() - t}
 
 
-def _exogym_tokens_per_s(python: str, size_args, steps: int) -> dict:
-  """exogym's tokens/s at the size given by loc_opt's ``size_args``."""
-  layers, d_model = 2, 128
-  for a in size_args:
-    if a.startswith('--config.model.num_layers='):
-      layers = int(a.split('=')[1])
-    if a.startswith('--config.model.d_model='):
-      d_model = int(a.split('=')[1])
+def _exogym_tokens_per_s(python: str, label: str, steps: int) -> dict:
+  """exogym's tokens/s at size ``label`` of :data:`SIZES`."""
+  layers, d_model = SIZES[label]
   cmd = [python, str(EXOGYM_SCRIPT), f'--num_layers={layers}',
          f'--d_model={d_model}', f'--steps={steps}']
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -168,11 +167,11 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
   base = (f'--config={config_path}', f'--config.num_steps={steps}',
           *THROUGHPUT_OVERRIDES)
   sizes = {}
-  for label, size_args in SIZES.items():
+  for label in SIZES:
     row = _launcher_tokens_per_s(workdir / 'sizes' / label,
-                                 (*base, *size_args), '')
+                                 (*base, *_size_args(label)), '')
     if exogym_python:
-      row['exogym'] = _exogym_tokens_per_s(exogym_python, size_args, steps)
+      row['exogym'] = _exogym_tokens_per_s(exogym_python, label, steps)
     sizes[label] = row
     print(f'{label}: loc_opt {row["tokens_per_s"]:,.0f} tok/s'
           + (f', exogym {row["exogym"]["tokens_per_s"]:,.0f} tok/s'
@@ -181,7 +180,7 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
   for i, name in enumerate(levers):
     xla_flags, extra = LEVERS[name]
     lever_rows[name] = _launcher_tokens_per_s(
-        workdir / 'levers' / str(i), (*base, *SIZES[LEVER_SIZE], *extra),
+        workdir / 'levers' / str(i), (*base, *_size_args(LEVER_SIZE), *extra),
         xla_flags)
     print(f'{LEVER_SIZE}, {name}: '
           f'{lever_rows[name]["tokens_per_s"]:,.0f} tok/s', flush=True)

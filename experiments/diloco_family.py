@@ -120,10 +120,8 @@ def _config(base, name, sync_every, straggler):
   label, overrides = RUNS[name]
   c = _runs.variant(base, outer__sync_every=sync_every, **overrides)
   if c.outer.method == 'eager_diloco':  # the outer step it ran with
-    own = c.outer.eager_diloco
-    lr = (c.outer.learning_rate if own.get('learning_rate') is None
-          else own.learning_rate)
-    mom = c.outer.momentum if own.get('momentum') is None else own.momentum
+    from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
+    lr, mom = cfg_lib.outer_step(c, 'eager_diloco')
     label += f' (outer lr {lr:g}, momentum {mom:g})'
   if name in ('async', 'decoupled'):
     speeds = (1.0,) * (c.mesh.workers - 1) + (straggler,)

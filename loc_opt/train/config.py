@@ -173,24 +173,26 @@ def make_inner(config: ml_collections.ConfigDict,
   return tx if spike is None else optax.chain(spike, tx)
 
 
+def outer_step(config: ml_collections.ConfigDict,
+               section: str | None = None) -> tuple[float, float]:
+  """``(learning_rate, momentum)`` of the outer step: ``outer.*``, replaced
+  by the method's own ``outer.<section>.learning_rate`` / ``momentum`` where
+  those are set (not None), e.g. Eager updates' lower outer momentum."""
+  cfg = config.outer
+  own = (cfg.get(section) if section else None) or {}
+  lr, momentum = own.get('learning_rate'), own.get('momentum')
+  return (cfg.learning_rate if lr is None else lr,
+          cfg.momentum if momentum is None else momentum)
+
+
 def outer_optimizer(config: ml_collections.ConfigDict,
                     section: str | None = None
                     ) -> optax.GradientTransformation:
-  """``outer.learning_rate`` / ``momentum`` / ``nesterov`` as an optimizer:
-  Nesterov SGD (DiLoCo's outer step) or heavy-ball SGD.
-
-  With ``section``, the method's own ``outer.<section>.learning_rate`` and
-  ``momentum`` replace the shared ones where they are set (not None): a
-  per-method default, e.g. Eager updates' lower outer momentum.
-  """
+  """The outer step of :func:`outer_step` (``section`` as there) as an
+  optimizer: Nesterov SGD (DiLoCo's outer step, ``outer.nesterov``) or
+  heavy-ball SGD."""
   cfg = config.outer
-  lr, momentum = cfg.learning_rate, cfg.momentum
-  own = cfg.get(section) if section else None
-  if own is not None:
-    if own.get('learning_rate') is not None:
-      lr = own.learning_rate
-    if own.get('momentum') is not None:
-      momentum = own.momentum
+  lr, momentum = outer_step(config, section)
   if not cfg.nesterov:
     return optax.sgd(lr, momentum=momentum or None)
   return outer_lib.nesterov_outer(lr, momentum)
