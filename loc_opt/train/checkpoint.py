@@ -8,9 +8,8 @@ shares (anchor, outer optimizer state, counters) once
 item beside it keeps the config, so a resume with an incompatible config
 fails with a clear error (each differing field as ``leaf.path: saved ->
 now``) instead of a shape mismatch deep inside Orbax. Orbax writes each
-checkpoint into a temporary directory and renames it when complete, so an
-interrupted save never leaves a half-written checkpoint that a resume would
-pick.
+checkpoint into a temporary directory and renames it when complete, so a
+save cut short is never picked by a resume (``loc_opt.train.orbax_io``).
 
 On resume, the model, mesh, method, optimizer, data, batch size, seed and
 ``num_steps`` must match (:func:`resume_diffs`); run-control fields
@@ -50,6 +49,7 @@ import jax
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from loc_opt.train import orbax_io
 from loc_opt.train import registry
 
 # Config fields that must match for a checkpoint to be resumable (every
@@ -243,7 +243,7 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep,
             create=not read_only, enable_async_checkpointing=False),
-    )
+        item_handlers=orbax_io.item_handlers())
     self.read_only = read_only
 
   def latest_step(self) -> int | None:

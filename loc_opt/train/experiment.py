@@ -393,6 +393,8 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   The reference a local-update method is compared with: the same model,
   optimizer and mesh, gradients all-reduced every step.
   """
+  if config.mesh.workers == 1:  # nothing crosses workers; no compile
+    return 0
   dp_config = ml_collections.ConfigDict(config.to_dict())
   # Only what shapes the collectives is kept (so runs that differ in the
   # outer method's settings, the schedule, spikes or length share one

@@ -3,6 +3,8 @@
 import jax
 import numpy as np
 
+from loc_opt.train.method import shared_mask
+
 from configs import diloco_lm
 from loc_opt.train import config as cfg_lib
 
@@ -35,3 +37,28 @@ def tiny_config(data_dir, base=diloco_lm, **overrides):
 def leaves(tree):
   """The leaves of ``tree`` as NumPy arrays."""
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# A NaN gradient on worker 1 at steps 0 and 1 (skipped on that worker where
+# it is an inner step): the shared fields must stay level regardless.
+NAN_ON_WORKER_1 = {'faults.nan_grad_steps': (0, 1),
+                   'faults.nan_grad_workers': (1,)}
+
+
+def assert_shared_fields_level(method, state):
+  """Every shared field of ``state['opt_state']`` (``method.shared_fields``)
+  is bit-identical on every worker, while the workers' own floating state
+  did diverge (so the check bites), after a run with
+  :data:`NAN_ON_WORKER_1`."""
+  opt_state = state['opt_state']
+  mask = jax.tree.leaves(shared_mask(method, opt_state))
+  values = jax.tree.leaves(opt_state)
+  shared = [np.asarray(x) for x, s in zip(values, mask, strict=True) if s]
+  assert shared, method
+  for x in shared:
+    for m in range(1, x.shape[0]):
+      np.testing.assert_array_equal(x[m], x[0])
+  per_worker = [np.asarray(x) for x, s in zip(values, mask, strict=True)
+                if not s and np.issubdtype(np.asarray(x).dtype, np.floating)]
+  assert any(not np.array_equal(x[1], x[0]) for x in per_worker), method
+  assert int(state['faults']['bad_steps'][1]) == 2

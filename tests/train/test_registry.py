@@ -23,6 +23,8 @@ from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
+from tests.train._helpers import NAN_ON_WORKER_1
+from tests.train._helpers import assert_shared_fields_level
 from tests.train._helpers import tiny_config
 
 WORKERS = 4
@@ -57,6 +59,14 @@ def _config(data_dir, method, **extra):
   overrides = {'outer.method': method, 'num_steps': 8, 'eval_every': 8,
                'checkpoint_every': 8, **CASES.get(method, {}), **extra}
   return tiny_config(data_dir, **overrides)
+
+
+def _trained_config(data_dir, method):
+  """A trained method's run; one whose workers share fields also gets a
+  NaN on worker 1 (the shared-fields check of tests/train/test_layout.py
+  runs on it, saving a second compile of the method)."""
+  faults = NAN_ON_WORKER_1 if registry.METHODS[method].shared_fields else {}
+  return _config(data_dir, method, **faults)
 
 
 def test_every_method_is_registered_and_builds_from_its_config(data_dir):
@@ -155,10 +165,12 @@ _EXTRA_CHECKS = {'streaming_diloco': _streaming_checks,
 @pytest.mark.parametrize('method', TRAINED)
 def test_method_trains_and_its_inner_steps_move_nothing(data_dir, tmp_path,
                                                         method):
-  config = _config(data_dir, method)
+  config = _trained_config(data_dir, method)
   summary = train.train_and_evaluate(config, tmp_path / method)
   exp = exp_lib.get_experiment(config)
   _check_run(summary, exp, config, method)
+  if exp.method.shared_fields:
+    assert_shared_fields_level(exp.method, jax.device_get(summary['state']))
   if method in _EXTRA_CHECKS:
     _EXTRA_CHECKS[method](exp, config, summary, tmp_path)
 
