@@ -37,3 +37,21 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 import jax  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 8)
+
+
+# Modules whose tests run the trainer or notebooks end to end.
+_LONG_RUNS = ('tests.train.', 'tests.test_colabs', 'tests.test_plot')
+
+
+def pytest_collection_modifyitems(config, items):
+  """Modules that run the trainer end to end go first.
+
+  pytest-xdist hands tests out in collection order, so the minute-long runs
+  start early and the many short tests fill in at the end, instead of one
+  process finishing a long run alone while the other idles. Each module's
+  tests stay together (module fixtures are built once) and in file order.
+  """
+  del config
+  items.sort(key=lambda item: not (
+      item.module.__name__.startswith(_LONG_RUNS) or
+      item.get_closest_marker('slow')))
