@@ -26,6 +26,8 @@ RAW_OUTPUT = ('raw output of an earlier run of the benchmark, kept next to '
 HLO_BY_HAND = ('bytes read from compiled programs by hand (issue 20); '
                'tests/train/test_outer_layout.py asserts the relation '
                '(sharded = replicated x (1 + 1/M)), no results file yet')
+STATUS = ('each claim\'s status, with figures quoted from the generated '
+          'tables it links (claim 1\'s own are generated on the page)')
 PRINTED = ('printed by the benchmark in the same run that wrote the results '
            'file beside it')
 
@@ -64,6 +66,8 @@ HAND_WRITTEN = {
         REFERENCE,
     ('faults.md', '| run | syncs | workers left out | final eval loss | vs. '
      'no dropout |'): NOT_REGENERATED,
+    ('claims.md', '| # | claim | paper | command | status | evidence and '
+     'why |'): STATUS,
     ('multihost.md', '| flag | behaviour |'): REFERENCE,
     ('api/parallel_train.md', '| Piece | Paper | Config key | Bytes per '
      'sync, per worker | When to use |'): REFERENCE,
