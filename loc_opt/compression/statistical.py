@@ -275,6 +275,7 @@ def decoded(compressor: Compressor, x: Any) -> Any:
                                  jax.random.key(0))
     return sent
 
-  out = jax.vmap(one, axis_name=comm_axis)(
+  # One compiled program (op-by-op dispatch would compile each primitive).
+  out = jax.jit(jax.vmap(one, axis_name=comm_axis))(
       jax.tree.map(lambda v: jnp.asarray(v)[None], x))
   return jax.tree.map(lambda v: v[0], out)

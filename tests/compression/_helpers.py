@@ -34,7 +34,9 @@ def one_mean(scheme, x, state):
   comm = compression.Comm('worker')
   key = jax.random.key(3)
   fn = jax.vmap(lambda v, s: scheme.mean(v, s, comm, key), axis_name='worker')
-  return fn(x, state)
+  # One compiled program, not one per primitive (op-by-op dispatch compiles
+  # every primitive at every shape it meets).
+  return jax.jit(fn)(x, state)
 
 
 def mesh_step(tx, mesh, n=8192):
