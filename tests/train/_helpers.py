@@ -3,16 +3,17 @@
 import jax
 import numpy as np
 
-from loc_opt.train.method import shared_mask
-
 from configs import diloco_lm
 from loc_opt.train import config as cfg_lib
+from loc_opt.train.method import shared_mask
 
 
-def tiny_config(data_dir, base=diloco_lm, **overrides):
+def tiny_config(data_dir, base=diloco_lm, *, config_schedule=False,
+                **overrides):
   """The default config (or the config module ``base``'s) shrunk to a
-  1-block LM on short sequences (H = 4); ``overrides`` maps dotted fields to
-  values."""
+  1-block LM on short sequences (H = 4), at a constant learning rate
+  unless ``config_schedule`` keeps the config's schedule; ``overrides`` maps
+  dotted fields to values."""
   c = base.get_config()
   c.num_steps = 12
   c.batch_size = 16
@@ -31,6 +32,14 @@ def tiny_config(data_dir, base=diloco_lm, **overrides):
   c.data.max_bytes = 300_000
   c.data.data_dir = data_dir
   c.outer.sync_every = 4
+  # A constant learning rate: a schedule's step counts (warmup, decay) are
+  # constants of the compiled step, so under warmup-cosine every num_steps
+  # compiles programs of its own; with this, runs of any length share them
+  # (the suite's compilation cache). Tests of schedules, and runs compared
+  # with a launch of the config file, keep the config's schedule.
+  if not config_schedule:
+    c.optimizer.schedule = 'constant'
+    c.optimizer.schedule_kwargs = {}
   return cfg_lib.with_overrides(c, overrides)
 
 

@@ -23,9 +23,9 @@ _STEPS = 8
 
 
 def _config(data_dir, layout, **overrides):
-  return tiny_config(data_dir, **{'outer.state_layout': layout,
-                                  'num_steps': _STEPS, 'eval_every': 0,
-                                  **overrides})
+  return tiny_config(data_dir, config_schedule=True,
+                     **{'outer.state_layout': layout, 'num_steps': _STEPS,
+                        'eval_every': 0, **overrides})
 
 
 def _losses(workdir):

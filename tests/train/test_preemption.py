@@ -36,8 +36,8 @@ def _cli(workdir, data_dir):
 
 def _config(data_dir):
   """The CLI's config (run-control fields may differ on resume)."""
-  return tiny_config(data_dir, num_steps=_STEPS, checkpoint_every=1000,
-                     log_every=50)
+  return tiny_config(data_dir, config_schedule=True, num_steps=_STEPS,
+                     checkpoint_every=1000, log_every=50)
 
 
 def _wait_for_steps(proc, metrics, n, timeout):

@@ -32,7 +32,7 @@ def dp_config(data_dir, **overrides):
           'optimizer.schedule_kwargs': {'warmup_steps': 2},
           'optimizer.grad_clip_norm': 0.}
   base.update(overrides)
-  return tiny_config(data_dir, **base)
+  return tiny_config(data_dir, config_schedule=True, **base)
 
 
 def by_step(workdir, key):
@@ -54,7 +54,7 @@ def main_run(data_dir, tmp_path_factory):
 def test_qsr_sync_steps_follow_the_schedule_without_recompiling(
     data_dir, tmp_path):
   alpha, base, steps = 4.5e-3, 2, 12
-  config = tiny_config(data_dir, **{
+  config = tiny_config(data_dir, config_schedule=True, **{
       'outer.sync_every': base, 'outer.sync_schedule': 'qsr',
       'outer.sync_schedule_kwargs': {'alpha': alpha}, 'log_every': 1,
       'optimizer.schedule_kwargs': {'warmup_steps': 0, 'end_value': 3e-4}})
@@ -111,7 +111,7 @@ def test_sync_plan_matches_next_step_syncs():
 
 
 def test_sync_schedules_from_config(data_dir):
-  config = tiny_config(data_dir, **{
+  config = tiny_config(data_dir, config_schedule=True, **{
       'outer.sync_schedule': 'step', 'outer.sync_schedule_kwargs': {
           'boundaries_and_periods': {'0': 2, '6': 5}}})
   plan = loc_opt.outer.plan.period_plan(cfg_lib.make_sync_every(config), 12)
@@ -322,7 +322,7 @@ def test_spiked_run_diverges_exactly_after_the_spike(data_dir, main_run,
 ])
 def test_bad_schedule_fields_raise_clear_errors(data_dir, tmp_path,
                                                 overrides, match):
-  config = tiny_config(data_dir)
+  config = tiny_config(data_dir, config_schedule=True)
   for key, value in overrides.items():
     node = config
     *parents, leaf = key.split('.')
@@ -335,7 +335,7 @@ def test_bad_schedule_fields_raise_clear_errors(data_dir, tmp_path,
 
 
 def test_config_without_new_fields_still_builds(data_dir):
-  config = tiny_config(data_dir)
+  config = tiny_config(data_dir, config_schedule=True)
   for key in ('sync_schedule', 'sync_schedule_kwargs'):
     del config.outer[key]
   del config['init_from']

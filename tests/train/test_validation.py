@@ -98,7 +98,7 @@ def _id(case):
 @pytest.mark.parametrize('overrides, field', _BAD, ids=map(_id, _BAD))
 def test_bad_field_is_named_and_nothing_is_written(data_dir, tmp_path,
                                                     overrides, field):
-  config = tiny_config(data_dir, **overrides)
+  config = tiny_config(data_dir, config_schedule=True, **overrides)
   workdir = tmp_path / 'wd'
   with pytest.raises(ValueError, match=re.escape(field)):
     train.train_and_evaluate(config, workdir)
@@ -144,7 +144,8 @@ _VALID = [
 
 @pytest.mark.parametrize('overrides', _VALID, ids=map(str, _VALID))
 def test_valid_edge_values_pass(data_dir, overrides):
-  train.validate_config(tiny_config(data_dir, **overrides), 8)
+  train.validate_config(
+      tiny_config(data_dir, config_schedule=True, **overrides), 8)
 
 
 _CONFIGS = pathlib.Path(__file__).parents[2] / 'configs'
