@@ -5,8 +5,8 @@ default (except where ``JAX_PLATFORMS`` names a GPU): each replica of a
 shard copies its own slice of it to the host, so the device-to-host links
 of all replicas work at once. Each slice is an eager ``lax.slice_in_dim``,
 so the first save of a state compiles one small program per distinct
-(shard shape, slice, device) -- on 8 virtual CPU devices about a hundred of
-them for the one-block test model, several seconds of XLA compilation that
+(shard shape, slice, device) -- on 8 virtual CPU devices nearly two hundred
+of them for a run of the one-block test model, several seconds of XLA compilation that
 move nothing faster: CPU devices share the host's memory, so there is no
 link to parallelize.
 
