@@ -33,7 +33,7 @@ FragmentFn = Callable[[Any, Any], Any]
 LeafIds = int | tuple[int, ...]
 Rows = slice | tuple[int, ...] | None
 
-PATTERNS = ('strided', 'sequential')
+PATTERNS = ('strided', 'sequential', 'balanced')
 BLOCK_PATTERN = r'layer_(\d+)'
 STACKED_PATTERN = r'(^|/)layers/'
 
@@ -92,7 +92,10 @@ def fragment_ids(
   * ``'strided'``: block of rank ``r`` goes to fragment ``r mod Q`` (the
     paper's preferred pattern: each fragment spans the whole depth);
   * ``'sequential'``: rank ``r`` goes to ``floor(r Q / L)`` (consecutive
-    groups whose sizes differ by at most one).
+    groups whose sizes differ by at most one);
+  * ``'balanced'``: no blocks; whole leaves bin-packed by size
+    (:func:`balanced_fragments`), for models without numbered blocks (the
+    block and non-block arguments are unused).
 
   With ``separate_non_block`` (default) the non-block leaves form fragment 0
   and the blocks are spread over fragments ``1 .. P-1`` (``Q = P - 1``, the
@@ -102,7 +105,7 @@ def fragment_ids(
   Args:
     params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
     num_fragments: ``P``, a positive int.
-    pattern: ``'strided'`` or ``'sequential'``.
+    pattern: ``'strided'``, ``'sequential'`` or ``'balanced'``.
     separate_non_block: whether non-block leaves get a fragment of their own.
     block_pattern: regular expression whose first group is the block index.
     stacked_pattern: regular expression of the paths of stacked leaves.
@@ -121,6 +124,8 @@ def fragment_ids(
   """
   _checks.positive_int(num_fragments, 'num_fragments')
   _checks.one_of(pattern, 'pattern', PATTERNS)
+  if pattern == 'balanced':
+    return balanced_fragments(params, num_fragments)
   regex = re.compile(block_pattern)
   if regex.groups < 1:
     raise ValueError(
@@ -152,7 +157,8 @@ def fragment_ids(
         f'leaves matching {stacked_pattern!r}, and '
         f'{sum(b is None for b in blocks)} non-block leaves '
         f'(separate_non_block={separate_non_block}); for a model without '
-        f'numbered blocks pass fragments= explicitly: a tree of ints with '
+        f"numbered blocks use pattern='balanced' or pass fragments= "
+        f'explicitly: a tree of ints with '
         f'the params\' structure (e.g. loc_opt.outer.balanced_fragments('
         f'params, {p})) or a function (key_path, leaf) -> int')
   return treedef.unflatten(ids)

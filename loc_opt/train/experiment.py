@@ -70,9 +70,11 @@ def _check_batches(config, num_devices: int) -> None:
   if eval_batch % num_devices:
     raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
                      f'across the {num_devices} devices')
-  if config.data.seq_len > config.model.max_len:
+  # A model with positions has a longest sequence (the MLP has none).
+  max_len = config.model.get('max_len')
+  if max_len is not None and config.data.seq_len > max_len:
     raise ValueError(f'data.seq_len={config.data.seq_len} exceeds '
-                     f'model.max_len={config.model.max_len}')
+                     f'model.max_len={max_len}')
 
 
 def _check_run_control(config) -> None:
@@ -242,6 +244,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
     raise ValueError('model.vocab_size must be >= 256 for byte-level data')
+  if config.model.name == 'mlp':
+    for field in ('in_dim', 'out_dim'):
+      if config.model.get(field, 256) < 256:
+        raise ValueError(f'model.{field} must be >= 256 for byte-level data')
 
 
 @dataclasses.dataclass

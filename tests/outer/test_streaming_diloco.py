@@ -159,6 +159,11 @@ def test_model_without_blocks_is_told_how_to_fragment():
                                 num_fragments=2, fragments=ids, axis_name=None)
   assert sorted(set(jax.tree.leaves(ids))) == [0, 1]
   tx.init(params)
+  # pattern='balanced' (the trainer's outer.streaming_diloco.pattern) is
+  # the same split.
+  assert outer.fragment_ids(params, 2, pattern='balanced') == ids
+  with pytest.raises(ValueError, match="pattern='balanced'"):
+    outer.fragment_ids(params, 2)
 
 
 def test_fragments_as_callable_and_tree_agree():

@@ -55,7 +55,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, tmp_path):
 def test_identical_initialisation_on_every_worker(data_dir):
   exp = exp_lib.build_experiment(tiny_config(data_dir))
   state = exp.init_state()
-  assert state['params']['head']['kernel'].sharding.spec[0] == 'worker'
+  assert state['params']['dense_1']['kernel'].sharding.spec[0] == 'worker'
   for x in jax.tree.leaves(state['params']) + \
       jax.tree.leaves(state['opt_state'].anchor):
     for m in range(1, 4):
@@ -102,12 +102,14 @@ def test_data_parallel_method_runs(data_dir, tmp_path):
     ('batch_size', 20, 'batch_size'),
     ('optimizer.name', 'adamz', 'optimizer.name'),
     ('outer.method', 'fedprox', 'outer.method'),
-    ('data.seq_len', 64, 'data.seq_len'),
+    ('data.seq_len', 64, 'data.seq_len'),  # > the Transformer's max_len
     ('data.eval_batch_size', 12, 'data.eval_batch_size'),
+    ('model.out_dim', 128, 'model.out_dim'),  # the MLP: < 256 bytes
 ])
 def test_bad_config_fields_raise_clear_errors(data_dir, tmp_path, field,
                                              value, match):
-  config = tiny_config(data_dir, **{field: value})
+  model = 'transformer' if field == 'data.seq_len' else 'mlp'
+  config = tiny_config(data_dir, model=model, **{field: value})
   with pytest.raises(ValueError, match=match):
     train.train_and_evaluate(config, tmp_path)
   assert not (tmp_path / 'checkpoints').exists()
@@ -122,7 +124,7 @@ def test_missing_dataset_raises_clear_error(tmp_path):
 def test_resume_with_other_model_or_corrupt_checkpoint(data_dir, tmp_path):
   config = tiny_config(data_dir, num_steps=4)
   train.train_and_evaluate(config, tmp_path)
-  other = tiny_config(data_dir, num_steps=8, **{'model.d_model': 64})
+  other = tiny_config(data_dir, num_steps=8, **{'model.hidden': 32})
   with pytest.raises(ckpt_lib.CheckpointError, match='model'):
     train.train_and_evaluate(other, tmp_path)
   # Corrupt the saved arrays: a clear error, and nothing is overwritten.
@@ -147,11 +149,11 @@ def test_resume_config_check_names_leaves_and_refuses_num_steps(data_dir,
                      match=r'num_steps: 8 -> 12 \(the schedules'):
     train.train_and_evaluate(longer, tmp_path)
   other = tiny_config(data_dir, num_steps=8, **{
-      'optimizer.learning_rate': 1e-3, 'model.d_ff': 128})
+      'optimizer.learning_rate': 1e-3, 'model.hidden': 128})
   with pytest.raises(ckpt_lib.CheckpointError) as info:
     train.train_and_evaluate(other, tmp_path)
   message = str(info.value)
-  assert 'model.d_ff: 64 -> 128' in message
+  assert 'model.hidden: 64 -> 128' in message
   assert 'optimizer.learning_rate: 0.003 -> 0.001' in message
   assert '{' not in message and 'num_steps' not in message
   assert ckpt_lib.latest_step(tmp_path) == 4

@@ -17,7 +17,8 @@ WORKERS = 4
 
 
 def _config(data_dir, **overrides):
-  return tiny_config(data_dir, base=muloco_lm, **{
+  # MuLoCo's skip rules name the Transformer's leaves (embed, head, norms).
+  return tiny_config(data_dir, base=muloco_lm, model='transformer', **{
       'num_steps': 8, 'eval_every': 0, 'checkpoint_every': 0,
       **overrides})
 

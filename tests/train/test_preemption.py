@@ -22,14 +22,12 @@ _STEPS = 200
 
 def _cli(workdir, data_dir):
   overrides = {
-      'num_steps': _STEPS, 'model.d_model': 32, 'model.num_layers': 1,
-      'model.d_ff': 64, 'model.num_heads': 2, 'model.max_len': 32,
-      'data.seq_len': 32, 'batch_size': 16, 'data.eval_batch_size': 16,
+      'num_steps': _STEPS, 'model.hidden': 64, 'data.seq_len': 32, 'batch_size': 16, 'data.eval_batch_size': 16,
       'eval_batches': 1, 'data.max_bytes': 300_000, 'outer.sync_every': 4,
       'checkpoint_every': 1000, 'log_every': 1, 'progress': False,
       'data.data_dir': data_dir}
   return ([sys.executable, '-m', 'experiments.train',
-           '--config=configs/diloco_lm.py', f'--workdir={workdir}',
+           '--config=configs/diloco_lm.py:mlp', f'--workdir={workdir}',
            '--cpu_devices=8']
           + [f'--config.{k}={v}' for k, v in overrides.items()])
 

@@ -113,7 +113,8 @@ def _check_run(summary, exp, config, method):
 def _streaming_checks(exp, config, summary, tmp_path):
   # The peak is the largest fragment, each element sent once per worker.
   params = jax.eval_shape(exp.model.init, jax.random.key(0))
-  frags = outer.fragment_bytes(params, outer.fragment_ids(params, 2))
+  frags = outer.fragment_bytes(params, outer.fragment_ids(
+      params, 2, pattern=config.outer.streaming_diloco.pattern))
   assert summary['peak_bytes_per_step'] / WORKERS == pytest.approx(
       max(frags), rel=0.02)
   assert summary['peak_bytes_per_step'] < 0.75 * 4 * exp.model.num_params \
@@ -283,8 +284,9 @@ def test_eager_outer_step_reads_its_own_section(data_dir):
     n for n, m in registry.METHODS.items() if m.library_kwargs is not None))
 def test_config_defaults_are_the_library_defaults(data_dir, name):
   # One source for every default: a field of outer.<method> that a library
-  # function also takes has that function's default in configs/diloco_lm.py.
-  config = tiny_config(data_dir)
+  # function also takes has that function's default in configs/diloco_lm.py
+  # (whose model, the Transformer, keeps the fragment pattern's default).
+  config = tiny_config(data_dir, model='transformer')
   method = registry.METHODS[name]
   assert method.section in config.outer, name
   calls = method.library_kwargs(config)

@@ -208,7 +208,7 @@ def test_branch_equals_uninterrupted_run_with_the_branch_schedule(
 
 
 @pytest.mark.parametrize('overrides,match', [
-    ({'model.d_model': 64}, 'model.d_model'),
+    ({'model.hidden': 32}, 'model.hidden'),
     ({'mesh.data': 1, 'mesh.fsdp': 2}, 'mesh.data'),
     ({'outer.method': 'diloco'}, 'outer.method'),
     ({'optimizer.kwargs': {'b1': 0.9, 'b2': 0.95, 'weight_decay': 0.2}},

@@ -69,7 +69,7 @@ def test_streaming_diloco_with_scanned_layers_trains(data_dir, tmp_path):
   moves its share of the parameters. That the stacked run equals the
   unrolled one is shown at the library level
   (``tests/outer/test_streaming_diloco.py``)."""
-  config = _helpers.tiny_config(data_dir, **{
+  config = _helpers.tiny_config(data_dir, model='transformer', **{
       'outer.method': 'streaming_diloco', 'outer.sync_every': 6,
       'outer.streaming_diloco.num_fragments': 3,
       'outer.streaming_diloco.overlap': 0,
