@@ -3,8 +3,12 @@ one-source rule for the defaults of the shared fields."""
 
 import pytest
 
+from configs import diloco_lm
+from configs import dp_lm
 from loc_opt import compression
+from loc_opt import models
 from loc_opt import outer
+from loc_opt import train
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import registry
 from loc_opt.train import spikes
@@ -89,3 +93,17 @@ def test_compress_skip_and_ef_decay_reach_the_compressor(data_dir):
   with pytest.raises(ValueError, match='compress_skip'):
     cfg_lib.make_compressor(tiny_config(data_dir, **{
         'outer.codec': 'int8', 'outer.compress_skip': ('norm', 3)}))
+
+
+def test_config_argument_picks_the_model():
+  # --config=configs/<file>.py:mlp: the MLP's section, a valid config, and
+  # Streaming DiLoCo's fragments by size (the MLP has no numbered blocks).
+  for module in (diloco_lm, dp_lm):
+    assert module.get_config().model.name == 'transformer'
+    config = module.get_config('mlp')
+    assert config.model.name == 'mlp'
+    assert config.outer.streaming_diloco.pattern == 'balanced'
+    train.validate_config(config, 8)
+    assert isinstance(models.build_model(config.model).num_params, int)
+  with pytest.raises(ValueError, match="'mpl' is not a model"):
+    diloco_lm.get_config('mpl')
