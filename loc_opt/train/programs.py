@@ -179,8 +179,19 @@ def _abstract_batch(config, mesh, per_worker) -> jax.ShapeDtypeStruct:
                               sharding=batch_sharding(mesh, per_worker))
 
 
+def _pinned(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` constrained to the partition ``specs`` (a tree of ``P``):
+  as specs under the mesh in context (inside the workers' ``shard_map``),
+  else as shardings on ``mesh`` (one worker, no map)."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return jax.lax.with_sharding_constraint(tree, specs)
+  shardings = jax.tree.map(lambda p: jax.NamedSharding(mesh, p), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  return jax.lax.with_sharding_constraint(tree, shardings)
+
+
 def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
-                 reset=None, inputs=None):
+                 reset=None, inputs=None, specs=None, mesh=None):
   """One worker's step: gradients (with injected faults), the update, and
   the skip of a non-finite step (``loc_opt.train.faults``). With ``absent``
   (``faults.absences``), a step that syncs tells the method whether this
@@ -189,7 +200,13 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
   still not finite after a step that syncs (its pseudo-gradient was left
   out; an update cannot move a NaN) restarts from the anchor. With
   ``inputs`` (``Method.step_inputs``), every step passes ``inputs(step,
-  worker)`` to the update."""
+  worker)`` to the update. With ``specs`` (the model's within-worker
+  partition specs on ``mesh``), the parameters entering the loss and their gradients
+  are pinned to them: otherwise, in a program that also syncs, sharding
+  propagation can carry the sync's layout (the pseudo-gradient spread over
+  the data-parallel devices) back into the model, which then computes
+  partial products over the data axis and all-reduces activations (seen
+  with the MLP, whose activations carry no constraints of their own)."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
   per_worker = method.per_worker
@@ -200,9 +217,11 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
     params = faults.inject(params, step, worker,
                            fault_cfg['nan_param_steps'],
                            fault_cfg['nan_param_workers'])
+    pin = (lambda tree: tree) if specs is None else (
+        lambda tree: _pinned(tree, specs, mesh))
     loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
-        params, batch)
-    grads = faults.inject(grads, step, worker, nan_steps, nan_workers)
+        pin(params), batch)
+    grads = faults.inject(pin(grads), step, worker, nan_steps, nan_workers)
     ok = jnp.isfinite(loss) & faults.all_finite(grads)
     if not skippable:  # the step talks to other workers: send finite values
       grads = faults.zero_if_not(ok, grads)
@@ -241,8 +260,9 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   reset = method.eval_params if method.left_out is not None else None
   inputs = (method.step_inputs(config) if method.step_inputs is not None
             else None)
+  specs = models.resolve_specs(model.specs, mesh.axis_names)
   worker_step = _worker_step(model, tx, faults.settings(config), method,
-                             absent, reset, inputs)
+                             absent, reset, inputs, specs, mesh)
 
   def step_fn(state, batch, sync):
     # Only a step that talks to no other worker can be skipped on its own.

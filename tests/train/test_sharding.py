@@ -110,3 +110,25 @@ def test_data_parallel_step_applies_the_activation_constraints():
   for rows in (ROWS, ROWS // 2):
     assert not [c.shape for c in report.collectives
                 if f'[{rows},{SEQ},' in c.shape]
+
+
+def test_sync_step_keeps_the_model_data_parallel(data_dir):
+  """The model's parameters and gradients are pinned to their specs inside
+  the step: a step that also syncs moves, within a worker, the inner step's
+  gradient all-reduce plus at most a reduce-scatter's and an all-gather's
+  worth of the parameters (the spread sync). Unpinned, sharding propagation
+  carried the spread layout into the MLP, which then all-reduced its
+  activations over the data axis (5.35 MB against 2.98 MB pinned here) and
+  summed them in an order that differed between 1 and 2 processes."""
+  config = _helpers.tiny_config(data_dir, **{
+      'mesh.workers': 2, 'mesh.data': 4})
+  exp = experiment.build_experiment(config)
+  steps = exp.programs.steps
+  inner, sync = False, True  # DiLoCo's plan: phases False and True
+  assert exp.plan.inner is inner and exp.plan.is_sync(sync)
+  within = {p: steps.reports[p].within_worker_bytes
+            for p in (inner, sync) if steps[p] is not None}
+  devices = 8
+  param_bytes = 4 * exp.model.num_params
+  assert within[inner] > 0
+  assert within[sync] - within[inner] <= 2 * param_bytes * devices, within
