@@ -199,8 +199,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # DiLoCo's momentum 0.9, the (M-1)/M of each outer gradient that lands a
   # round late makes the outer recursion unstable at M = 4 (issue 17);
   # experiments.outer_sweep (300 steps, H = 30, lr 0.7, momenta 0.9 / 0.7 /
-  # 0.5 / 0.3) found 0.3 best at both M = 2 (1.8675 vs 2.1852 at 0.9) and
-  # M = 4 (2.0427 vs 2.6888): docs/benchmarks.md. Lower values are untried.
+  # 0.5 / 0.3 / 0.1) found 0.3 best at M = 2 (1.8675 vs 2.1852 at 0.9; 0.1:
+  # 1.8689) and 0.1 best at M = 4 (2.0095; 0.3: 2.0427; 0.9: 2.6888):
+  # docs/benchmarks.md. 0.3 stays until the family table is rerun at 0.1.
   s.learning_rate = ml_collections.config_dict.placeholder(float)
   s.momentum = 0.3
   # NoLoCo ('noloco'): random peer groups, no all-reduce.
