@@ -201,12 +201,13 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
   out; an update cannot move a NaN) restarts from the anchor. With
   ``inputs`` (``Method.step_inputs``), every step passes ``inputs(step,
   worker)`` to the update. With ``specs`` (the model's within-worker
-  partition specs on ``mesh``), the parameters entering the loss and their gradients
-  are pinned to them: otherwise, in a program that also syncs, sharding
-  propagation can carry the sync's layout (the pseudo-gradient spread over
-  the data-parallel devices) back into the model, which then computes
-  partial products over the data axis and all-reduces activations (seen
-  with the MLP, whose activations carry no constraints of their own)."""
+  partition specs on ``mesh``), the parameters entering the loss and their
+  gradients are pinned to them: otherwise, in a program that also syncs,
+  sharding propagation can carry the sync's layout (the pseudo-gradient
+  spread over the data-parallel devices) back into the model, which then
+  computes partial products over the data axis and all-reduces activations
+  (seen with the MLP, whose activations carry no constraints of their
+  own)."""
   nan_steps, nan_workers = fault_cfg['nan_grad_steps'], \
       fault_cfg['nan_grad_workers']
   per_worker = method.per_worker
