@@ -23,7 +23,7 @@ def tiny_config(data_dir, base=diloco_lm, *, model='mlp',
   parallelism, FSDP, scanned blocks) and runs compared with its launches use
   ``'transformer'``.
   """
-  c = base.get_config()
+  c = base.get_config(model)  # the config argument picks the model
   c.num_steps = 12
   c.batch_size = 16
   c.data.eval_batch_size = 16
@@ -33,17 +33,13 @@ def tiny_config(data_dir, base=diloco_lm, *, model='mlp',
   c.checkpoint_every = 4
   c.progress = False
   if model == 'mlp':
-    c.model = diloco_lm.mlp_model()
     c.model.hidden = 64
-    c.outer.streaming_diloco.pattern = 'balanced'
-  elif model == 'transformer':
+  else:
     c.model.d_model = 32
     c.model.num_heads = 2
     c.model.num_layers = 1
     c.model.d_ff = 64
     c.model.max_len = 32
-  else:
-    raise ValueError(f'model {model!r}: mlp or transformer')
   c.data.seq_len = 32
   c.data.max_bytes = 300_000
   c.data.data_dir = data_dir

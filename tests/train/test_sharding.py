@@ -126,8 +126,9 @@ def test_sync_step_keeps_the_model_data_parallel(data_dir):
   steps = exp.programs.steps
   inner, sync = False, True  # DiLoCo's plan: phases False and True
   assert exp.plan.inner is inner and exp.plan.is_sync(sync)
-  within = {p: steps.reports[p].within_worker_bytes
-            for p in (inner, sync) if steps[p] is not None}
+  for phase in (inner, sync):
+    _ = steps[phase]  # compiles it, filling steps.reports
+  within = {p: steps.reports[p].within_worker_bytes for p in (inner, sync)}
   devices = 8
   param_bytes = 4 * exp.model.num_params
   assert within[inner] > 0
