@@ -30,6 +30,15 @@ its mean and spread (half the range) over all its seeds.
 Every run is resumable and a finished run is read back, so the command can
 be stopped and rerun at any point; the results file ``claims.json`` is
 rewritten after every run, with the runs still to do listed.
+
+Part of the study can run elsewhere, e.g. the larger sizes on a GPU: there,
+``--methods`` picks the methods that fit its devices (``dp,diloco_m1`` on one
+device, with ``--config.mesh.data=1``) and the run writes its own
+``claims.json``; here, ``--import_results=THAT_FILE`` adds its rows (and the
+provenance of its runs) to the table and skips those runs. Every row names
+the device it ran on; compare rows of one size across devices only at the
+same matmul precision (``JAX_DEFAULT_MATMUL_PRECISION=highest`` on a GPU,
+whose default for float32 is TF32).
 """
 
 import copy
@@ -50,10 +59,15 @@ _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
 _DP_LRS = flags.DEFINE_list('dp_lrs', ['3e-3', '1.5e-3'],
                             'Data-parallel peak learning rates.')
-_OUTER_LRS = flags.DEFINE_list('outer_lrs', ['0.4', '0.7', '1.0'],
+_OUTER_LRS = flags.DEFINE_list('outer_lrs', ['0.2', '0.4', '0.7', '1.0'],
                                'DiLoCo outer learning rates.')
 _SEEDS = flags.DEFINE_list('seeds', ['1', '2'],
                            'Extra seeds of each method\'s best setting.')
+_METHODS = flags.DEFINE_list('methods', ['dp', 'diloco_m1', 'diloco_m4'],
+                             'Methods to run here (keys of METHODS).')
+_IMPORT = flags.DEFINE_list(
+    'import_results', [], 'claims.json files written by other runs of this '
+    'study (another machine); their rows join the table and are not rerun.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
@@ -106,12 +120,16 @@ def _name(size, method, knob, seed):
 class _Study:
   """Runs (or reads back) the grid and writes the results after each."""
 
-  def __init__(self, base, sizes, knobs):
+  def __init__(self, base, sizes, knobs, imported=()):
     self.base, self.sizes, self.knobs = base, sizes, knobs
-    self.rows: list[dict] = []
+    self.rows: list[dict] = list(imported)
+    self.imported = {r['name'] for r in imported}
+    self.device = _device()
 
   def run(self, size, method, knob, seed):
     name = _name(size, method, knob, seed)
+    if name in self.imported:
+      return None
     c = _config(self.base, size, method, knob, seed)
     label = f'{size} {METHODS[method][0]}, {knob:g}, seed {seed}'
     s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
@@ -119,7 +137,7 @@ class _Study:
            'seed': seed, 'num_params': s['num_params'],
            'final_eval_loss': s['final_eval_loss'],
            'cross_worker_bytes': s['cross_worker_bytes'],
-           'syncs': s['syncs'], 'steps': s['step'],
+           'syncs': s['syncs'], 'steps': s['step'], 'device': self.device,
            'train_seconds': s.get('train_seconds_this_run'),
            'curve': s['curve']['eval']}
     self.rows.append(row)
@@ -131,12 +149,45 @@ class _Study:
              'seq_len': self.base.data.seq_len,
              'outer_momentum': self.base.outer.momentum,
              'inner_learning_rate': self.base.optimizer.learning_rate,
-             'knobs': self.knobs, 'sizes': {k: SIZES[k] for k in self.sizes},
+             'knobs': self.knobs,
+             'sizes': {k: v for k, v in SIZES.items() if k in self.sizes
+                       or any(r['size'] == k for r in self.rows)},
              'methods': {k: v[0] for k, v in METHODS.items()}}
     results = {'setup': setup, 'rows': self.rows, 'pending': pending}
     _runs.write(_WORKDIR.value, 'claims',
                 tables.render('claims', 'main', {'results': results}),
                 results)
+
+
+def _device() -> str:
+  """The device kind this process trains on, with the matmul precision
+  where it is not the default."""
+  import jax  # pylint: disable=g-import-not-at-top
+  kind = jax.devices()[0].device_kind
+  precision = jax.config.jax_default_matmul_precision
+  return f'{kind} ({precision})' if precision else kind
+
+
+def _import(paths) -> list[dict]:
+  """The rows of other runs' ``claims.json`` files (their runs' provenance
+  joins this file's)."""
+  import json  # pylint: disable=g-import-not-at-top
+  rows = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        data = json.load(f)
+      got = data['results']['rows']
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise app.UsageError(f'--import_results: {path} is not a claims.json '
+                           f'results file ({e!r})') from e
+    unknown = {r.get('size') for r in got} - set(SIZES)
+    if unknown:
+      raise app.UsageError(f'--import_results: {path} has sizes {unknown} '
+                           f'this study does not know')
+    rows += got
+    _runs.RUNS.extend(data.get('runs', []))
+  return rows
 
 
 def main(argv):
@@ -147,24 +198,34 @@ def main(argv):
     raise app.UsageError(f'unknown sizes {unknown}; known: {list(SIZES)}')
   if _NUM_STEPS.value < _SYNC_EVERY.value:
     raise app.UsageError('--num_steps must be at least --sync_every')
+  methods = _runs.chosen(_METHODS.value, METHODS, '--methods')
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
+  devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
+             * base.mesh.tensor)
+  for m in methods:
+    if devices % METHODS[m][1]:
+      raise app.UsageError(f'{m} needs {METHODS[m][1]} workers, which do not '
+                           f'divide the config\'s {devices} devices')
   knobs = {'dp': _floats(_DP_LRS.value, 'dp_lrs'),
            'diloco_m1': _floats(_OUTER_LRS.value, 'outer_lrs'),
            'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs')}
   seeds = [int(s) for s in _SEEDS.value]
-  study = _Study(base, _SIZES.value, knobs)
+  study = _Study(base, _SIZES.value, knobs, _import(_IMPORT.value))
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
-  todo = [(size, m, k, 0) for size in _SIZES.value for m in METHODS
+  todo = [(size, m, k, 0) for size in _SIZES.value for m in methods
           for k in knobs[m]]
+  todo = [j for j in todo if _name(*j) not in study.imported]
   for i, job in enumerate(todo):
     study.run(*job)
     study.write([_name(*j) for j in todo[i + 1:]]
                 + [f'{size} seeds {seeds}' for size in _SIZES.value])
   extra = []
   for size in _SIZES.value:
-    for m in METHODS:
-      extra += [(size, m, tables.claims_best_knob(study.rows, size, m), s) for s in seeds]
+    for m in methods:
+      extra += [(size, m, tables.claims_best_knob(study.rows, size, m), s)
+                for s in seeds]
+  extra = [j for j in extra if _name(*j) not in study.imported]
   for i, job in enumerate(extra):
     study.run(*job)
     study.write([_name(*j) for j in extra[i + 1:]])

@@ -38,13 +38,18 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
-  """``{'commit', 'dirty', 'dirty_files'}`` of the repository; ``commit`` is
-  None outside a git checkout. ``dirty`` counts tracked files that differ
-  from the commit and untracked files under ``loc_opt/``, ``experiments/``
-  and ``configs/`` (the code a run executes)."""
+  """``{'commit', 'dirty', 'dirty_files'}`` of the repository. ``dirty``
+  counts tracked files that differ from the commit and untracked files under
+  ``loc_opt/``, ``experiments/`` and ``configs/`` (the code a run executes).
+
+  Outside a git checkout (a copy of the tree sent to an accelerator machine,
+  say) ``commit`` is ``$LOC_OPT_COMMIT`` when set, else None, and ``dirty``
+  is None: nothing can tell whether the copy matches that commit.
+  """
   commit = (_git('rev-parse', 'HEAD') or '').strip() or None
   if commit is None:
-    return {'commit': None, 'dirty': None, 'dirty_files': []}
+    return {'commit': os.environ.get('LOC_OPT_COMMIT') or None,
+            'dirty': None, 'dirty_files': []}
   status = _git('status', '--porcelain', '--', 'loc_opt', 'experiments',
                 'configs', 'pyproject.toml') or ''
   files = sorted(line[3:] for line in status.splitlines() if line.strip())

@@ -53,6 +53,26 @@ def format_time(seconds: float) -> str:
   return f'{seconds:.1f} s'
 
 
+def _machine(p: dict[str, Any]) -> str:
+  pk, dev = p['packages'], p['device']
+  return (f'jax {pk["jax"]}, flax {pk["flax"]}, optax {pk["optax"]}; '
+          f'{dev["device_count"]} x {dev["device_kind"]} devices, '
+          f'{dev["host_cpus"]} host CPUs')
+
+
+def _machines(data: dict[str, Any]) -> str:
+  """Packages and devices of the runs (with run counts where the runs were
+  trained on more than one setup, e.g. some on a GPU), else of the writer."""
+  counts: dict[str, int] = {}
+  for run in data.get('runs', []):
+    if 'packages' in run['provenance'] and 'device' in run['provenance']:
+      key = _machine(run['provenance'])
+      counts[key] = counts.get(key, 0) + 1
+  if len(counts) <= 1:
+    return next(iter(counts), _machine(data['provenance']))
+  return '; '.join(f'{k} ({n} runs)' for k, n in sorted(counts.items()))
+
+
 def source_line(name: str, data: dict[str, Any]) -> str:
   """A paragraph under a table: the results file, the commit of the code
   that trained its runs (or, without runs, that computed it; dirty trees
@@ -76,11 +96,8 @@ def source_line(name: str, data: dict[str, Any]) -> str:
     made = f'runs trained at commit {", ".join(parts)}'
   else:
     made = f'computed at commit {commit(p)}'
-  pk, dev = p['packages'], p['device']
   text = (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
-          f'written {p["time_utc"][:10]}; {made}; jax {pk["jax"]}, flax '
-          f'{pk["flax"]}, optax {pk["optax"]}; {dev["device_count"]} x '
-          f'{dev["device_kind"]} devices, {dev["host_cpus"]} host CPUs. '
+          f'written {p["time_utc"][:10]}; {made}; {_machines(data)}. '
           f'Regenerate: `python -m experiments.regenerate --workdir=DIR '
           f'--only={data.get("benchmark", name)}`.')
   return textwrap.fill(text, 79, break_on_hyphens=False,
@@ -375,8 +392,8 @@ def claims_main(data: dict[str, Any]) -> str:
            '). Final eval loss of each method\'s best setting (tuned value '
            'in brackets), mean ± half the range over seeds.', '',
            '| size (params) | ' + ' | '.join(methods.values())
-           + ' | M=1 vs DP | M=4 vs DP |',
-           '|---|' + '---|' * (len(methods) + 2)]
+           + ' | M=1 vs DP | M=4 vs DP | devices |',
+           '|---|' + '---|' * (len(methods) + 3)]
   for size in s['sizes']:
     params = [r['num_params'] for r in rows if r['size'] == size]
     if not params:
@@ -393,10 +410,23 @@ def claims_main(data: dict[str, Any]) -> str:
     for m in ('diloco_m1', 'diloco_m4'):
       cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
                    if m in means and 'dp' in means else '')
+    cells.append(_devices([r for r in rows if r['size'] == size]))
     lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
   if res.get('pending'):
     lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
   return '\n'.join(lines) + '\n'
+
+
+def _devices(rows) -> str:
+  """The devices ``rows`` ran on, with the methods on each where several."""
+  by_device: dict[str, list[str]] = {}
+  for r in rows:
+    methods = by_device.setdefault(r.get('device', 'not recorded'), [])
+    if r['method'] not in methods:
+      methods.append(r['method'])
+  if len(by_device) == 1:
+    return next(iter(by_device))
+  return '; '.join(f'{d}: {", ".join(m)}' for d, m in by_device.items())
 
 
 def claims_sweep(data: dict[str, Any]) -> str:
@@ -404,12 +434,13 @@ def claims_sweep(data: dict[str, Any]) -> str:
   res = data['results']
   rows = [r for r in res['rows'] if r['seed'] == 0]
   lines = ['| size | method | tuned value | final eval loss | '
-           'cross-worker bytes |', '|---|---|---|---|---|']
+           'cross-worker bytes | device |', '|---|---|---|---|---|---|']
   for r in rows:
     what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
     lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
                  f'{what}{r["knob"]:g} | {r["final_eval_loss"]:.4f} | '
-                 f'{format_bytes(r["cross_worker_bytes"])} |')
+                 f'{format_bytes(r["cross_worker_bytes"])} | '
+                 f'{r.get("device", "not recorded")} |')
   return '\n'.join(lines) + '\n'
 
 

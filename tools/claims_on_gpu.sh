@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The claims study's data-parallel and DiLoCo M = 1 rows at 2M and 8M
+# parameters on one GPU (experiments/claims.py, "Part of the study can run
+# elsewhere"). Run from the repository root on a machine with jax[cuda] and
+# the packages of pyproject.toml; the data is the standard library copy in
+# .claims_src/stdlib (the same files this study reads on the CPU machine, so
+# the rows compare), made by `tools/claims_on_gpu.sh --prepare`.
+#
+#   tools/claims_on_gpu.sh OUT_DIR [SECONDS]
+#
+# (SIZES="2M 8M" and STEPS=600 by default; smaller values make a smoke test.)
+#
+# Phase 1 sweeps the tuned value (data-parallel inner lr, DiLoCo outer lr),
+# one process per setting, all at once on the one GPU; phase 2 runs the
+# extra seeds of each best setting. OUT_DIR gets one claims.json per size and
+# method (import them here with --import_results) and the logs. Float32
+# matmuls run at full precision (the GPU default is TF32), as on the CPU.
+set -u
+if [[ "${1:-}" == --prepare ]]; then
+  src=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  rm -rf .claims_src && mkdir -p .claims_src/stdlib
+  (cd "$src" && find . \( -name site-packages -o -name __pycache__ \
+    -o -name idle_test -o -name test -o -name tests -o -name .git \) -prune \
+    -o -name '*.py' -print | tar cf - -T -) | tar xf - -C .claims_src/stdlib
+  exit
+fi
+out=${1:?usage: tools/claims_on_gpu.sh OUT_DIR [SECONDS]}
+budget=${2:-540}
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+export PYTHONUNBUFFERED=1
+work=${WORK:-/tmp/claims_gpu}
+sizes=${SIZES:-2M 8M}
+mkdir -p "$work"
+common=(--num_steps=${STEPS:-600} --cpu_devices=1 --config.mesh.workers=1
+        --config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1
+        "--config.data.source_dirs=('.claims_src/stdlib',)")
+start=$SECONDS
+phase1=()
+for size in $sizes; do
+  for lr in 3e-3 1.5e-3; do
+    phase1+=("$size dp --dp_lrs=$lr $lr")
+  done
+  for lr in 0.2 0.4 0.7 1.0; do
+    phase1+=("$size diloco_m1 --outer_lrs=$lr $lr")
+  done
+done
+for job in "${phase1[@]}"; do
+  read -r size method knobs tag <<<"$job"
+  timeout $((budget * 6 / 10)) python3 -m experiments.claims \
+    --workdir="$work/${size}_${method}_$tag" --sizes="$size" \
+    --methods="$method" "$knobs" --seeds= "${common[@]}" \
+    >"$work/${size}_${method}_$tag.log" 2>&1 &
+done
+wait
+echo "phase 1 done after $((SECONDS - start)) s"
+for size in $sizes; do
+  for method in dp diloco_m1; do
+    files=$(ls "$work"/${size}_${method}_*/claims.json 2>/dev/null | paste -sd,)
+    timeout $((budget - (SECONDS - start))) python3 -m experiments.claims \
+      --workdir="$work/${size}_${method}" --sizes="$size" --methods="$method" \
+      --import_results="$files" "${common[@]}" \
+      >"$work/${size}_${method}.log" 2>&1 &
+  done
+done
+wait
+echo "phase 2 done after $((SECONDS - start)) s"
+for size in $sizes; do
+  for method in dp diloco_m1; do
+    cp "$work/${size}_${method}/claims.json" "$out/${size}_${method}.json" \
+      2>/dev/null || echo "no results for $size $method"
+  done
+done
+tail -n 4 "$work"/*.log >"$out/logs.txt"
