@@ -49,7 +49,10 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import _claims
 from experiments import tables
+from experiments._claims import METHODS
+from experiments._claims import SIZES
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -71,18 +74,6 @@ _IMPORT = flags.DEFINE_list(
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
-# label -> model fields
-SIZES = {
-    '0.5M': {'num_layers': 2, 'd_model': 128, 'd_ff': 512, 'num_heads': 4},
-    '2M': {'num_layers': 4, 'd_model': 192, 'd_ff': 768, 'num_heads': 4},
-    '8M': {'num_layers': 6, 'd_model': 320, 'd_ff': 1280, 'num_heads': 5},
-}
-# method -> (label, mesh workers, overrides)
-METHODS = {
-    'dp': ('data-parallel', 1, {'outer__method': 'data_parallel'}),
-    'diloco_m1': ('DiLoCo M=1', 1, {'outer__method': 'diloco'}),
-    'diloco_m4': ('DiLoCo M=4', 4, {'outer__method': 'diloco'}),
-}
 
 
 def _floats(values, flag):
@@ -113,10 +104,6 @@ def _config(base, size, method, knob, seed):
   return _runs.variant(base, **fields)
 
 
-def _name(size, method, knob, seed):
-  return f'{size}_{method}_{knob:g}_s{seed}'
-
-
 class _Study:
   """Runs (or reads back) the grid and writes the results after each."""
 
@@ -127,7 +114,7 @@ class _Study:
     self.device = _device()
 
   def run(self, size, method, knob, seed):
-    name = _name(size, method, knob, seed)
+    name = _claims.run_name(size, method, knob, seed)
     if name in self.imported:
       return None
     c = _config(self.base, size, method, knob, seed)
@@ -168,28 +155,6 @@ def _device() -> str:
   return f'{kind} ({precision})' if precision else kind
 
 
-def _import(paths) -> list[dict]:
-  """The rows of other runs' ``claims.json`` files (their runs' provenance
-  joins this file's)."""
-  import json  # pylint: disable=g-import-not-at-top
-  rows = []
-  for path in paths:
-    try:
-      with open(path) as f:
-        data = json.load(f)
-      got = data['results']['rows']
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise app.UsageError(f'--import_results: {path} is not a claims.json '
-                           f'results file ({e!r})') from e
-    unknown = {r.get('size') for r in got} - set(SIZES)
-    if unknown:
-      raise app.UsageError(f'--import_results: {path} has sizes {unknown} '
-                           f'this study does not know')
-    rows += got
-    _runs.RUNS.extend(data.get('runs', []))
-  return rows
-
-
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -211,24 +176,28 @@ def main(argv):
            'diloco_m1': _floats(_OUTER_LRS.value, 'outer_lrs'),
            'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs')}
   seeds = [int(s) for s in _SEEDS.value]
-  study = _Study(base, _SIZES.value, knobs, _import(_IMPORT.value))
+  try:
+    imported = _claims.import_rows(_IMPORT.value)
+  except ValueError as e:
+    raise app.UsageError(f'--import_results: {e}') from e
+  study = _Study(base, _SIZES.value, knobs, imported)
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
   todo = [(size, m, k, 0) for size in _SIZES.value for m in methods
           for k in knobs[m]]
-  todo = [j for j in todo if _name(*j) not in study.imported]
+  todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
   for i, job in enumerate(todo):
     study.run(*job)
-    study.write([_name(*j) for j in todo[i + 1:]]
+    study.write([_claims.run_name(*j) for j in todo[i + 1:]]
                 + [f'{size} seeds {seeds}' for size in _SIZES.value])
   extra = []
   for size in _SIZES.value:
     for m in methods:
-      extra += [(size, m, tables.claims_best_knob(study.rows, size, m), s)
+      extra += [(size, m, _claims.claims_best_knob(study.rows, size, m), s)
                 for s in seeds]
-  extra = [j for j in extra if _name(*j) not in study.imported]
+  extra = [j for j in extra if _claims.run_name(*j) not in study.imported]
   for i, job in enumerate(extra):
     study.run(*job)
-    study.write([_name(*j) for j in extra[i + 1:]])
+    study.write([_claims.run_name(*j) for j in extra[i + 1:]])
 
 
 if __name__ == '__main__':

@@ -65,6 +65,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     'goodput': Benchmark('goodput', (), 'docs/decoupled_diloco.md',
                          (('goodput.png', 'docs/figures/goodput.png'),)),
     'dropout': Benchmark('dropout', (), 'docs/faults.md'),
+    'qsr': Benchmark('qsr', (), 'docs/claims.md'),
     # Hours of CPU (three sizes, tuned, seeds): last.
     'claims': Benchmark('claims', (), 'docs/claims.md'),
 }

@@ -25,6 +25,8 @@ import sys
 import textwrap
 from typing import Any, Callable
 
+from experiments import _claims
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
 RESULTS = DOCS / 'results'
@@ -350,103 +352,10 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def claims_best_knob(rows, size: str, method: str) -> float | None:
-  """The tuned value of ``method`` at ``size`` with the lowest seed-0 final
-  eval loss (None before any run)."""
-  seed0 = [r for r in rows if r['size'] == size and r['method'] == method
-           and r['seed'] == 0]
-  if not seed0:
-    return None
-  return min(seed0, key=lambda r: r['final_eval_loss'])['knob']
-
-
-def claims_summary(rows, size: str, method: str):
-  """``(knob, losses)`` of a method's best setting at ``size``, every seed
-  of it; None before any run."""
-  knob = claims_best_knob(rows, size, method)
-  if knob is None:
-    return None
-  return knob, [r['final_eval_loss'] for r in rows if r['size'] == size
-                and r['method'] == method and r['knob'] == knob]
-
-
-def _mean_spread(losses: list[float]) -> str:
-  mean = sum(losses) / len(losses)
-  if len(losses) == 1:
-    return f'{mean:.4f} (1 seed)'
-  return (f'{mean:.4f} ± {(max(losses) - min(losses)) / 2:.4f} '
-          f'({len(losses)} seeds)')
-
-
-def claims_main(data: dict[str, Any]) -> str:
-  """DiLoCo M=1 / M=4 vs data-parallel per size: each method's best setting,
-  mean ± half the range over seeds, and the relative gap to data-parallel."""
-  res = data['results']
-  s, rows = res['setup'], res['rows']
-  methods = s['methods']
-  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
-           f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
-           f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
-           f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
-           f'{s["knobs"]["diloco_m1"]} (inner lr {s["inner_learning_rate"]:g}'
-           '). Final eval loss of each method\'s best setting (tuned value '
-           'in brackets), mean ± half the range over seeds.', '',
-           '| size (params) | ' + ' | '.join(methods.values())
-           + ' | M=1 vs DP | M=4 vs DP | devices |',
-           '|---|' + '---|' * (len(methods) + 3)]
-  for size in s['sizes']:
-    params = [r['num_params'] for r in rows if r['size'] == size]
-    if not params:
-      continue
-    cells, means = [], {}
-    for m in methods:
-      got = claims_summary(rows, size, m)
-      if got is None:
-        cells.append('')
-        continue
-      knob, losses = got
-      means[m] = sum(losses) / len(losses)
-      cells.append(f'{_mean_spread(losses)} [{knob:g}]')
-    for m in ('diloco_m1', 'diloco_m4'):
-      cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
-                   if m in means and 'dp' in means else '')
-    cells.append(_devices([r for r in rows if r['size'] == size]))
-    lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
-  if res.get('pending'):
-    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
-  return '\n'.join(lines) + '\n'
-
-
-def _devices(rows) -> str:
-  """The devices ``rows`` ran on, with the methods on each where several."""
-  by_device: dict[str, list[str]] = {}
-  for r in rows:
-    methods = by_device.setdefault(r.get('device', 'not recorded'), [])
-    if r['method'] not in methods:
-      methods.append(r['method'])
-  if len(by_device) == 1:
-    return next(iter(by_device))
-  return '; '.join(f'{d}: {", ".join(m)}' for d, m in by_device.items())
-
-
-def claims_sweep(data: dict[str, Any]) -> str:
-  """Every seed-0 run of the sweep: final eval loss per tuned value."""
-  res = data['results']
-  rows = [r for r in res['rows'] if r['seed'] == 0]
-  lines = ['| size | method | tuned value | final eval loss | '
-           'cross-worker bytes | device |', '|---|---|---|---|---|---|']
-  for r in rows:
-    what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
-    lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
-                 f'{what}{r["knob"]:g} | {r["final_eval_loss"]:.4f} | '
-                 f'{format_bytes(r["cross_worker_bytes"])} | '
-                 f'{r.get("device", "not recorded")} |')
-  return '\n'.join(lines) + '\n'
-
-
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
-    ('claims', 'main'): claims_main,
-    ('claims', 'sweep'): claims_sweep,
+    ('claims', 'main'): _claims.claims_main,
+    ('claims', 'sweep'): _claims.claims_sweep,
+    ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
     ('benchmark_step_time', 'main'): step_time_main,
     ('benchmark_step_time', 'throughput'): step_time_throughput,

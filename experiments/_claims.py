@@ -1,0 +1,228 @@
+"""The claims studies' grid, logic and tables, without flags.
+
+The DiLoCo M = 1 / M = 4 study (:mod:`experiments.claims`) and QSR against a
+constant sync period (:mod:`experiments.qsr`) define absl flags, so this
+module holds what the tests and :mod:`experiments.tables` import: the
+sizes and methods, run names, rows imported from another machine, QSR's
+sync-count match, and the table renderers (registered in
+:data:`experiments.tables.RENDERERS`).
+"""
+
+import json
+from typing import Any
+
+from experiments import _runs
+
+# label -> model fields
+SIZES = {
+    '0.5M': {'num_layers': 2, 'd_model': 128, 'd_ff': 512, 'num_heads': 4},
+    '2M': {'num_layers': 4, 'd_model': 192, 'd_ff': 768, 'num_heads': 4},
+    '8M': {'num_layers': 6, 'd_model': 320, 'd_ff': 1280, 'num_heads': 5},
+}
+# method -> (label, mesh workers, overrides)
+METHODS = {
+    'dp': ('data-parallel', 1, {'outer__method': 'data_parallel'}),
+    'diloco_m1': ('DiLoCo M=1', 1, {'outer__method': 'diloco'}),
+    'diloco_m4': ('DiLoCo M=4', 4, {'outer__method': 'diloco'}),
+}
+
+
+def run_name(size, method, knob, seed):
+  return f'{size}_{method}_{knob:g}_s{seed}'
+
+
+def import_rows(paths) -> list[dict]:
+  """The rows of other runs' ``claims.json`` files (their runs' provenance
+  joins this file's)."""
+  rows = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        data = json.load(f)
+      got = data['results']['rows']
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f'{path} is not a claims.json results file '
+                       f'({e!r})') from e
+    unknown = {r.get('size') for r in got} - set(SIZES)
+    if unknown:
+      raise ValueError(f'{path} has sizes {unknown} this study does not '
+                       'know')
+    rows += got
+    _runs.RUNS.extend(data.get('runs', []))
+  return rows
+
+
+def count_syncs(config) -> int:
+  """Syncs of a run of ``config``: rounds of its sync schedule."""
+  from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
+  schedule = cfg_lib.make_sync_every(config)
+  t, n = 0, 0
+  while t < config.num_steps:
+    t += max(int(schedule(t)), 1)
+    n += 1
+  return n
+
+
+def qsr_config(base, alpha: float):
+  return _runs.variant(base, outer__sync_schedule='qsr',
+                       outer__sync_schedule_kwargs={'alpha': alpha})
+
+
+def qsr_alpha_for(base, syncs: int) -> float:
+  """The smallest QSR ``alpha`` (to 1e-6 relative) with at most ``syncs``
+  syncs over ``base``'s run; raises if no alpha gives exactly ``syncs``."""
+  lo, hi = 0.0, 1e-3
+  while count_syncs(qsr_config(base, hi)) > syncs:
+    hi *= 2
+    if hi > 1e3:
+      raise ValueError(f'no QSR alpha gives as few as {syncs} syncs')
+  while hi - lo > 1e-6 * hi:
+    mid = (lo + hi) / 2
+    if count_syncs(qsr_config(base, mid)) > syncs:
+      lo = mid
+    else:
+      hi = mid
+  got = count_syncs(qsr_config(base, hi))
+  if got != syncs:
+    raise ValueError(f'QSR jumps from more than {syncs} syncs to {got} '
+                         f'at alpha {hi:.6g}; pick another --syncs value')
+  return hi
+
+
+def format_bytes(n: float) -> str:
+  from experiments import tables  # pylint: disable=g-import-not-at-top
+  return tables.format_bytes(n)
+
+
+def claims_best_knob(rows, size: str, method: str) -> float | None:
+  """The tuned value of ``method`` at ``size`` with the lowest seed-0 final
+  eval loss (None before any run)."""
+  seed0 = [r for r in rows if r['size'] == size and r['method'] == method
+           and r['seed'] == 0]
+  if not seed0:
+    return None
+  return min(seed0, key=lambda r: r['final_eval_loss'])['knob']
+
+
+def claims_summary(rows, size: str, method: str):
+  """``(knob, losses)`` of a method's best setting at ``size``, every seed
+  of it; None before any run."""
+  knob = claims_best_knob(rows, size, method)
+  if knob is None:
+    return None
+  return knob, [r['final_eval_loss'] for r in rows if r['size'] == size
+                and r['method'] == method and r['knob'] == knob]
+
+
+def _mean_spread(losses: list[float]) -> str:
+  mean = sum(losses) / len(losses)
+  if len(losses) == 1:
+    return f'{mean:.4f} (1 seed)'
+  return (f'{mean:.4f} ± {(max(losses) - min(losses)) / 2:.4f} '
+          f'({len(losses)} seeds)')
+
+
+def claims_main(data: dict[str, Any]) -> str:
+  """DiLoCo M=1 / M=4 vs data-parallel per size: each method's best setting,
+  mean ± half the range over seeds, and the relative gap to data-parallel."""
+  res = data['results']
+  s, rows = res['setup'], res['rows']
+  methods = s['methods']
+  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+           f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
+           f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
+           f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
+           f'{s["knobs"]["diloco_m1"]} (inner lr {s["inner_learning_rate"]:g}'
+           '). Final eval loss of each method\'s best setting (tuned value '
+           'in brackets), mean ± half the range over seeds.', '',
+           '| size (params) | ' + ' | '.join(methods.values())
+           + ' | M=1 vs DP | M=4 vs DP | devices |',
+           '|---|' + '---|' * (len(methods) + 3)]
+  for size in s['sizes']:
+    params = [r['num_params'] for r in rows if r['size'] == size]
+    if not params:
+      continue
+    cells, means = [], {}
+    for m in methods:
+      got = claims_summary(rows, size, m)
+      if got is None:
+        cells.append('')
+        continue
+      knob, losses = got
+      means[m] = sum(losses) / len(losses)
+      cells.append(f'{_mean_spread(losses)} [{knob:g}]')
+    for m in ('diloco_m1', 'diloco_m4'):
+      cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
+                   if m in means and 'dp' in means else '')
+    cells.append(_devices([r for r in rows if r['size'] == size]))
+    lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def _devices(rows) -> str:
+  """The devices ``rows`` ran on, with the methods on each where several."""
+  by_device: dict[str, list[str]] = {}
+  for r in rows:
+    methods = by_device.setdefault(r.get('device', 'not recorded'), [])
+    if r['method'] not in methods:
+      methods.append(r['method'])
+  if len(by_device) == 1:
+    return next(iter(by_device))
+  return '; '.join(f'{d}: {", ".join(m)}' for d, m in by_device.items())
+
+
+def claims_sweep(data: dict[str, Any]) -> str:
+  """Every seed-0 run of the sweep: final eval loss per tuned value."""
+  res = data['results']
+  rows = [r for r in res['rows'] if r['seed'] == 0]
+  lines = ['| size | method | tuned value | final eval loss | '
+           'cross-worker bytes | device |', '|---|---|---|---|---|---|']
+  for r in rows:
+    what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
+    lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
+                 f'{what}{r["knob"]:g} | {r["final_eval_loss"]:.4f} | '
+                 f'{format_bytes(r["cross_worker_bytes"])} | '
+                 f'{r.get("device", "not recorded")} |')
+  return '\n'.join(lines) + '\n'
+
+
+def qsr_main(data: dict[str, Any]) -> str:
+  """QSR against the constant period with the same syncs, and the constant
+  H_base reference: final eval loss (mean over seeds) per rule."""
+  res = data['results']
+  s, rows = res['setup'], res['rows']
+  kw = s['schedule_kwargs']
+  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+           f'tokens, M = {s["workers"]} workers x {s["devices"] // s["workers"]}'
+           f' devices, `outer.method={s["method"]}` (parameter averaging), '
+           f'inner {s["optimizer"]} at peak lr {s["learning_rate"]:g} '
+           f'({s["schedule"]}, {", ".join(f"{k} {v}" for k, v in kw.items())})'
+           f'; QSR with H_base = {s["base_period"]}. Each QSR run\'s alpha is '
+           'the one that makes its number of syncs; its twin is the constant '
+           'H with the same syncs (same bytes).', '',
+           '| rule | syncs | cross-worker bytes | final eval loss | '
+           'vs constant H at equal syncs |', '|---|---|---|---|---|']
+  groups: dict[str, list[dict]] = {}
+  for r in rows:
+    groups.setdefault(r['name'], []).append(r)
+  def mean(name):
+    got = groups.get(name, [])
+    return sum(r['final_eval_loss'] for r in got) / len(got) if got else None
+  for name, got in groups.items():
+    r = got[0]
+    rule = (f'QSR, alpha {r["knob"]:.4g}' if r['rule'] == 'qsr'
+            else f'constant H = {r["knob"]:g}')
+    loss = mean(name)
+    seeds = f' ({len(got)} seeds)' if len(got) > 1 else ''
+    gap = ''
+    if r['rule'] == 'qsr':
+      twin = mean(f'constant_h{s["num_steps"] // r["pair"]}')
+      gap = f'{100 * (loss / twin - 1):+.2f}%' if twin else ''
+    lines.append(f'| {rule} | {r["syncs"]} | '
+                 f'{format_bytes(r["cross_worker_bytes"])} | {loss:.4f}{seeds}'
+                 f' | {gap} |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'

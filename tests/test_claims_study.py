@@ -1,0 +1,102 @@
+"""The claims studies' own logic, without training: QSR's sync-count match,
+rows imported from another machine, and how the tables name devices."""
+
+import json
+
+import pytest
+from configs import local_sgd_lm
+from experiments import _runs
+from experiments import _claims
+from experiments import tables
+
+
+def _qsr_base(num_steps=120, base_period=5):
+  c = local_sgd_lm.get_config('mlp')
+  c.num_steps = num_steps
+  return _runs.variant(c, outer__sync_every=base_period)
+
+
+def test_qsr_alpha_makes_exactly_the_asked_syncs():
+  base = _qsr_base()
+  assert _claims.count_syncs(base) == 24  # constant H_base = 5 over 120 steps
+  for target in (12, 8):
+    alpha = _claims.qsr_alpha_for(base, target)
+    assert _claims.count_syncs(_claims.qsr_config(base, alpha)) == target
+    # A little less alpha syncs more often: the smallest alpha was found.
+    assert _claims.count_syncs(_claims.qsr_config(base, alpha * 0.999)) > target
+
+
+def test_qsr_refuses_a_count_it_cannot_make():
+  # H_base during warmup (12 steps) alone makes 3 rounds of 5 before QSR
+  # can stretch them, so 2 syncs over the run are out of reach.
+  with pytest.raises(ValueError, match='syncs'):
+    _claims.qsr_alpha_for(_qsr_base(), 2)
+
+
+def _row(size, method, knob, seed, loss, device):
+  return {'name': _claims.run_name(size, method, knob, seed), 'size': size,
+          'method': method, 'knob': knob, 'seed': seed, 'num_params': 10,
+          'final_eval_loss': loss, 'cross_worker_bytes': 0, 'syncs': 0,
+          'steps': 5, 'device': device, 'curve': {}}
+
+
+def test_imported_rows_join_and_their_runs_keep_provenance(tmp_path):
+  rows = [_row('2M', 'dp', 3e-3, 0, 1.3, 'H100 (highest)')]
+  run = {'label': '2M data-parallel', 'config': {},
+         'provenance': {'commit': 'c' * 40}}
+  path = tmp_path / 'claims.json'
+  path.write_text(json.dumps({'runs': [run], 'results': {'rows': rows}}))
+  before = len(_runs.RUNS)
+  try:
+    assert _claims.import_rows([str(path)]) == rows
+    assert _runs.RUNS[before:] == [run]
+  finally:
+    del _runs.RUNS[before:]
+  path.write_text(json.dumps({'results': {'rows': [
+      dict(rows[0], size='3M')]}}))
+  with pytest.raises(ValueError, match='3M'):
+    _claims.import_rows([str(path)])
+  path.write_text('{}')
+  with pytest.raises(ValueError, match='not a claims.json'):
+    _claims.import_rows([str(path)])
+
+
+def test_claims_table_names_the_devices_of_each_size():
+  rows = [_row('0.5M', 'dp', 3e-3, 0, 1.50, 'cpu'),
+          _row('0.5M', 'diloco_m1', 0.4, 0, 1.55, 'cpu'),
+          _row('2M', 'dp', 3e-3, 0, 1.30, 'H100 (highest)'),
+          _row('2M', 'dp', 3e-3, 1, 1.32, 'H100 (highest)'),
+          _row('2M', 'diloco_m4', 0.7, 0, 1.43, 'cpu')]
+  setup = {'num_steps': 5, 'batch_size': 2, 'seq_len': 4, 'sync_every': 5,
+           'outer_momentum': 0.9, 'inner_learning_rate': 3e-3,
+           'knobs': {'dp': [3e-3], 'diloco_m1': [0.4], 'diloco_m4': [0.7]},
+           'sizes': {'0.5M': {}, '2M': {}},
+           'methods': {k: v[0] for k, v in _claims.METHODS.items()}}
+  text = _claims.claims_main({'results': {'setup': setup,
+                                                'rows': rows}})
+  lines = {line.split(' ')[1]: line for line in text.split('\n')
+           if line.startswith('| 0.5M') or line.startswith('| 2M')}
+  assert lines['0.5M'].endswith('| +3.33% |  | cpu |')
+  assert '1.3100 ± 0.0100 (2 seeds) [0.003]' in lines['2M']
+  assert lines['2M'].endswith('| +9.16% | H100 (highest): dp; cpu: '
+                              'diloco_m4 |')
+
+
+def test_source_line_lists_every_setup_the_runs_used():
+  def run(jax_version, kind):
+    return {'label': 'x', 'config': {}, 'provenance': {
+        'commit': 'a' * 40, 'dirty': False,
+        'packages': {'jax': jax_version, 'flax': 'f', 'optax': 'o'},
+        'device': {'device_count': 1, 'device_kind': kind, 'host_cpus': 16}}}
+  data = {'provenance': {'commit': 'a' * 40, 'dirty': False,
+                         'time_utc': '2026-11-26T00:00:00+00:00',
+                         'packages': {'jax': '0.12', 'flax': 'f',
+                                      'optax': 'o'},
+                         'device': {'device_count': 8, 'device_kind': 'cpu',
+                                    'host_cpus': 2}},
+          'runs': [run('0.12', 'cpu'), run('0.12', 'cpu'),
+                   run('0.11', 'H100')]}
+  line = ' '.join(tables.source_line('claims', data).split())
+  assert 'jax 0.11, flax f, optax o; 1 x H100 devices, 16 host CPUs (1 runs)' \
+      in line
+  assert '1 x cpu devices, 16 host CPUs (2 runs)' in line
