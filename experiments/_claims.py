@@ -71,11 +71,13 @@ def qsr_config(base, alpha: float):
 def qsr_alpha_for(base, syncs: int) -> float:
   """The smallest QSR ``alpha`` (to 1e-6 relative) with at most ``syncs``
   syncs over ``base``'s run; raises if no alpha gives exactly ``syncs``."""
+  fewest = count_syncs(qsr_config(base, 1e6))  # every round to the end
+  if fewest > syncs:
+    raise ValueError(f'QSR makes at least {fewest} syncs over this run '
+                     f'(H_base rounds in the warmup), not {syncs}')
   lo, hi = 0.0, 1e-3
   while count_syncs(qsr_config(base, hi)) > syncs:
     hi *= 2
-    if hi > 1e3:
-      raise ValueError(f'no QSR alpha gives as few as {syncs} syncs')
   while hi - lo > 1e-6 * hi:
     mid = (lo + hi) / 2
     if count_syncs(qsr_config(base, mid)) > syncs:
@@ -85,7 +87,7 @@ def qsr_alpha_for(base, syncs: int) -> float:
   got = count_syncs(qsr_config(base, hi))
   if got != syncs:
     raise ValueError(f'QSR jumps from more than {syncs} syncs to {got} '
-                         f'at alpha {hi:.6g}; pick another --syncs value')
+                     f'at alpha {hi:.6g}; pick another sync count')
   return hi
 
 
