@@ -12,7 +12,8 @@ in ``configs/diloco_lm.py`` is read from this table.
 
   python -m experiments.outer_sweep --workdir=/tmp/outer_sweep \
     [--methods=eager_diloco,diloco] [--workers=2,4] \
-    [--momenta=0.9,0.7,0.5,0.3,0.1] [--learning_rates=0.7] [--sync_every=30]
+    [--momenta=0.9,0.7,0.5,0.3,0.1,0.0] [--learning_rates=0.7] \
+    [--sync_every=30]
 
 Every run sets ``outer.learning_rate`` / ``outer.momentum`` (and clears the
 method's own section values, so the grid point is what runs). Finished runs
@@ -37,8 +38,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _METHODS = flags.DEFINE_list('methods', ['eager_diloco', 'diloco'],
                              'Methods (outer.method values) to sweep.')
 _WORKERS = flags.DEFINE_list('workers', ['2', '4'], 'Worker counts M.')
-_MOMENTA = flags.DEFINE_list('momenta', ['0.9', '0.7', '0.5', '0.3', '0.1'],
-                             'Outer momenta.')
+_MOMENTA = flags.DEFINE_list(
+    'momenta', ['0.9', '0.7', '0.5', '0.3', '0.1', '0.0'], 'Outer momenta.')
 _LRS = flags.DEFINE_list('learning_rates', ['0.7'], 'Outer learning rates.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'H.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')

@@ -21,7 +21,7 @@ table reports both losses and their difference.
 
   python -m experiments.qsr --workdir=/tmp/qsr \
     [--num_steps=600] [--base_period=10] [--syncs=30,15] [--workers=4] \
-    [--seeds=0]
+    [--seeds=0,1,2]
 
 Finished runs are read back and an interrupted one resumes; ``qsr.json`` is
 rewritten after every run.
@@ -47,7 +47,7 @@ _SYNCS = flags.DEFINE_list('syncs', ['30', '15'],
                            'Sync counts of the QSR / constant-H pairs.')
 _WORKERS = flags.DEFINE_integer('workers', 4, 'Workers M.')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
-_SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds of every run.')
+_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds of every run.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
