@@ -107,6 +107,10 @@ def main(argv):
     label = (f'QSR alpha {knob:.4g}' if rule == 'qsr' else f'H = {knob}')
     s = _runs.run(c, os.path.join(_WORKDIR.value, f'{name}_s{seed}'),
                   f'{label}, seed {seed}')
+    if s['syncs'] != _claims.count_syncs(c):
+      raise SystemExit(f'{label}: the run synced {s["syncs"]} times, its '
+                       f'schedule says {_claims.count_syncs(c)}; the pairs '
+                       'would not move equal bytes')
     rows.append({'name': name, 'rule': rule, 'knob': knob, 'pair': pair,
                  'seed': seed, 'expected_syncs': _claims.count_syncs(c),
                  'syncs': s['syncs'], 'final_eval_loss': s['final_eval_loss'],
