@@ -33,7 +33,7 @@ def run_name(size, method, knob, seed):
 
 def import_rows(paths) -> list[dict]:
   """The rows of other runs' ``claims.json`` files (their runs' provenance
-  joins this file's)."""
+  joins this file's); a run in several files counts once."""
   rows = []
   for path in paths:
     try:
@@ -47,8 +47,11 @@ def import_rows(paths) -> list[dict]:
     if unknown:
       raise ValueError(f'{path} has sizes {unknown} this study does not '
                        'know')
-    rows += got
-    _runs.RUNS.extend(data.get('runs', []))
+    seen = {r['name'] for r in rows}
+    rows += [r for r in got if r['name'] not in seen]
+    known = {(r['label'], r.get('workdir')) for r in _runs.RUNS}
+    _runs.RUNS.extend(r for r in data.get('runs', [])
+                      if (r['label'], r.get('workdir')) not in known)
   return rows
 
 

@@ -9,6 +9,12 @@
 #   tools/claims_on_gpu.sh OUT_DIR [SECONDS]
 #
 # (SIZES="2M 8M" and STEPS=600 by default; smaller values make a smoke test.)
+# Runs already in PRIOR's files (default docs/results/claims_gpu/, the rows
+# of earlier sessions) are not trained again: their rows are imported, so a
+# later session goes on where the last stopped. GEMM autotuning is off
+# (XLA_FLAGS=--xla_gpu_autotune_level=0): with 8 processes on one GPU it
+# took a whole 5-minute call before the first step; the math is the same
+# float32, by other kernels.
 #
 # Phase 1 sweeps the tuned value (data-parallel inner lr, DiLoCo outer lr),
 # one process per setting, all at once on the one GPU; phase 2 runs the
@@ -29,6 +35,8 @@ budget=${2:-540}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
 export PYTHONUNBUFFERED=1
+export XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}"
+prior=${PRIOR:-docs/results/claims_gpu}
 work=${WORK:-/tmp/claims_gpu}
 sizes=${SIZES:-2M 8M}
 mkdir -p "$work"
@@ -45,8 +53,18 @@ for size in $sizes; do
     phase1+=("$size diloco_m1 --outer_lrs=$lr $lr")
   done
 done
+done_before() {  # size method knob: is its seed-0 run in PRIOR?
+  python3 -c "import json, sys; from experiments import _claims
+try:
+  rows = json.load(open('$prior/$1_$2.json'))['results']['rows']
+except OSError:
+  sys.exit(1)
+sys.exit(_claims.run_name('$1', '$2', float('$3'), 0) not in
+         {r['name'] for r in rows})"
+}
 for job in "${phase1[@]}"; do
   read -r size method knobs tag <<<"$job"
+  if done_before "$size" "$method" "$tag"; then continue; fi
   timeout $((budget * 6 / 10)) python3 -m experiments.claims \
     --workdir="$work/${size}_${method}_$tag" --sizes="$size" \
     --methods="$method" "$knobs" --seeds= "${common[@]}" \
@@ -56,7 +74,8 @@ wait
 echo "phase 1 done after $((SECONDS - start)) s"
 for size in $sizes; do
   for method in dp diloco_m1; do
-    files=$(ls "$work"/${size}_${method}_*/claims.json 2>/dev/null | paste -sd,)
+    files=$(ls "$prior/${size}_${method}.json" \
+      "$work"/${size}_${method}_*/claims.json 2>/dev/null | paste -sd,)
     timeout $((budget - (SECONDS - start))) python3 -m experiments.claims \
       --workdir="$work/${size}_${method}" --sizes="$size" --methods="$method" \
       --import_results="$files" "${common[@]}" \
