@@ -27,8 +27,11 @@ METHODS = {
 }
 
 
-def run_name(size, method, knob, seed):
-  return f'{size}_{method}_{knob:g}_s{seed}'
+def run_name(size, method, knob, seed, inner=None):
+  """The run directory's name; ``inner`` is DiLoCo's inner learning rate
+  where it is not the config's (runs at the config's keep the short name)."""
+  tail = '' if inner is None else f'_i{inner:g}'
+  return f'{size}_{method}_{knob:g}_s{seed}{tail}'
 
 
 def import_rows(paths) -> list[dict]:
@@ -99,24 +102,37 @@ def format_bytes(n: float) -> str:
   return tables.format_bytes(n)
 
 
-def claims_best_knob(rows, size: str, method: str) -> float | None:
-  """The tuned value of ``method`` at ``size`` with the lowest seed-0 final
-  eval loss (None before any run)."""
+def setting(row) -> tuple[float, float | None]:
+  """A row's tuned setting: ``(knob, inner)``; ``inner`` is DiLoCo's inner
+  learning rate where it is not the config's, else None."""
+  return row['knob'], row.get('inner_lr')
+
+
+def claims_best(rows, size: str, method: str):
+  """The setting of ``method`` at ``size`` with the lowest seed-0 final eval
+  loss (None before any run)."""
   seed0 = [r for r in rows if r['size'] == size and r['method'] == method
            and r['seed'] == 0]
   if not seed0:
     return None
-  return min(seed0, key=lambda r: r['final_eval_loss'])['knob']
+  return setting(min(seed0, key=lambda r: r['final_eval_loss']))
 
 
 def claims_summary(rows, size: str, method: str):
-  """``(knob, losses)`` of a method's best setting at ``size``, every seed
-  of it; None before any run."""
-  knob = claims_best_knob(rows, size, method)
-  if knob is None:
+  """``(setting, losses)`` of a method's best setting at ``size``, every
+  seed of it; None before any run."""
+  best = claims_best(rows, size, method)
+  if best is None:
     return None
-  return knob, [r['final_eval_loss'] for r in rows if r['size'] == size
-                and r['method'] == method and r['knob'] == knob]
+  return best, [r['final_eval_loss'] for r in rows if r['size'] == size
+                and r['method'] == method and setting(r) == best]
+
+
+def _setting_text(best) -> str:
+  knob, inner = best
+  if inner is None:
+    return f'{knob:g}'
+  return f'{knob:g} at inner {inner:g}'
 
 
 def _mean_spread(losses: list[float]) -> str:
@@ -137,9 +153,11 @@ def claims_main(data: dict[str, Any]) -> str:
            f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
            f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
            f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
-           f'{s["knobs"]["diloco_m1"]} (inner lr {s["inner_learning_rate"]:g}'
-           '). Final eval loss of each method\'s best setting (tuned value '
-           'in brackets), mean ± half the range over seeds.', '',
+           f'{s["knobs"]["diloco_m1"]} at inner lr '
+           f'{s["knobs"].get("diloco_inner", [s["inner_learning_rate"]])} '
+           f'(the config\'s: {s["inner_learning_rate"]:g}). Final eval loss of '
+           'each method\'s best setting (tuned values in brackets), mean ± '
+           'half the range over seeds.', '',
            '| size (params) | ' + ' | '.join(methods.values())
            + ' | M=1 vs DP | M=4 vs DP | devices |',
            '|---|' + '---|' * (len(methods) + 3)]
@@ -153,9 +171,10 @@ def claims_main(data: dict[str, Any]) -> str:
       if got is None:
         cells.append('')
         continue
-      knob, losses = got
+      best, losses = got
       means[m] = sum(losses) / len(losses)
-      cells.append(f'{_mean_spread(losses)} [{knob:g}]')
+      cells.append(f'{_mean_spread(losses)} '
+                   f'[{_setting_text(best)}]')
     for m in ('diloco_m1', 'diloco_m4'):
       cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
                    if m in means and 'dp' in means else '')
@@ -186,8 +205,10 @@ def claims_sweep(data: dict[str, Any]) -> str:
            'cross-worker bytes | device |', '|---|---|---|---|---|---|']
   for r in rows:
     what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
+    inner = ('' if r.get('inner_lr') is None
+             else f', inner lr {r["inner_lr"]:g}')
     lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
-                 f'{what}{r["knob"]:g} | {r["final_eval_loss"]:.4f} | '
+                 f'{what}{r["knob"]:g}{inner} | {r["final_eval_loss"]:.4f} | '
                  f'{format_bytes(r["cross_worker_bytes"])} | '
                  f'{r.get("device", "not recorded")} |')
   return '\n'.join(lines) + '\n'

@@ -13,12 +13,13 @@ measures both on the reference byte-level LM at three sizes:
 
 all at the same tokens (``--num_steps`` x 32 sequences x 128 bytes), on 8
 devices (data-parallel over 8; DiLoCo M = 1 as one worker of 8 devices;
-M = 4 as 4 workers x 2). Tuning, the same effort for each method:
+M = 4 as 4 workers x 2). Tuning, what the paper tunes for each method:
 
 * data-parallel: the inner (AdamW) peak learning rate over ``--dp_lrs``;
 * DiLoCo M = 1 and M = 4: the outer learning rate over ``--outer_lrs``
-  (Nesterov, momentum 0.9, H = ``--sync_every``) at the config's inner
-  learning rate;
+  (Nesterov, momentum 0.9, H = ``--sync_every``) at each inner learning
+  rate of ``--diloco_inner_lrs`` (the paper fits DiLoCo's inner rate apart
+  from data-parallel's);
 
 then the best setting of each method is rerun with the extra seeds
 ``--seeds`` (model initialisation and data order), and the table reports
@@ -60,10 +61,14 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _SIZES = flags.DEFINE_list('sizes', ['0.5M', '2M', '8M'], 'Model sizes.')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
-_DP_LRS = flags.DEFINE_list('dp_lrs', ['3e-3', '1.5e-3'],
+_DP_LRS = flags.DEFINE_list('dp_lrs', ['1.2e-2', '6e-3', '3e-3', '1.5e-3'],
                             'Data-parallel peak learning rates.')
 _OUTER_LRS = flags.DEFINE_list('outer_lrs', ['0.2', '0.4', '0.7', '1.0'],
                                'DiLoCo outer learning rates.')
+_INNER_LRS = flags.DEFINE_list(
+    'diloco_inner_lrs', ['3e-3', '6e-3'],
+    'DiLoCo inner (AdamW) peak learning rates, each with every outer lr; the '
+    'DiLoCo scaling-law paper tunes them apart from data-parallel\'s.')
 _SEEDS = flags.DEFINE_list('seeds', ['1', '2'],
                            'Extra seeds of each method\'s best setting.')
 _METHODS = flags.DEFINE_list('methods', ['dp', 'diloco_m1', 'diloco_m4'],
@@ -83,9 +88,9 @@ def _floats(values, flag):
     raise app.UsageError(f'--{flag} takes numbers, got {values}') from e
 
 
-def _config(base, size, method, knob, seed):
+def _config(base, size, method, knob, seed, inner=None):
   """The run's config: ``knob`` is the tuned value (dp: inner lr; DiLoCo:
-  outer lr)."""
+  outer lr), ``inner`` DiLoCo's inner lr where not the config's."""
   _, workers, overrides = METHODS[method]
   devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
              * base.mesh.tensor)
@@ -101,6 +106,8 @@ def _config(base, size, method, knob, seed):
     fields['optimizer__learning_rate'] = knob
   else:
     fields['outer__learning_rate'] = knob
+    if inner is not None:
+      fields['optimizer__learning_rate'] = inner
   return _runs.variant(base, **fields)
 
 
@@ -113,15 +120,16 @@ class _Study:
     self.imported = {r['name'] for r in imported}
     self.device = _device()
 
-  def run(self, size, method, knob, seed):
-    name = _claims.run_name(size, method, knob, seed)
+  def run(self, size, method, knob, seed, inner=None):
+    name = _claims.run_name(size, method, knob, seed, inner)
     if name in self.imported:
       return None
-    c = _config(self.base, size, method, knob, seed)
-    label = f'{size} {METHODS[method][0]}, {knob:g}, seed {seed}'
+    c = _config(self.base, size, method, knob, seed, inner)
+    at = '' if inner is None else f' at inner {inner:g}'
+    label = f'{size} {METHODS[method][0]}, {knob:g}{at}, seed {seed}'
     s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
     row = {'name': name, 'size': size, 'method': method, 'knob': knob,
-           'seed': seed, 'num_params': s['num_params'],
+           'inner_lr': inner, 'seed': seed, 'num_params': s['num_params'],
            'final_eval_loss': s['final_eval_loss'],
            'cross_worker_bytes': s['cross_worker_bytes'],
            'syncs': s['syncs'], 'steps': s['step'], 'device': self.device,
@@ -174,16 +182,25 @@ def main(argv):
                            f'divide the config\'s {devices} devices')
   knobs = {'dp': _floats(_DP_LRS.value, 'dp_lrs'),
            'diloco_m1': _floats(_OUTER_LRS.value, 'outer_lrs'),
-           'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs')}
+           'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs'),
+           'diloco_inner': _floats(_INNER_LRS.value, 'diloco_inner_lrs')}
+  # DiLoCo runs at the config's inner lr keep their names (inner None).
+  inners = [None if lr == base.optimizer.learning_rate else lr
+            for lr in knobs['diloco_inner']]
   seeds = [int(s) for s in _SEEDS.value]
   try:
     imported = _claims.import_rows(_IMPORT.value)
   except ValueError as e:
     raise app.UsageError(f'--import_results: {e}') from e
   study = _Study(base, _SIZES.value, knobs, imported)
+
+  def grid(size, m):
+    if m == 'dp':
+      return [(size, m, k, 0, None) for k in knobs[m]]
+    return [(size, m, k, 0, i) for i in inners for k in knobs[m]]
+
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
-  todo = [(size, m, k, 0) for size in _SIZES.value for m in methods
-          for k in knobs[m]]
+  todo = [j for size in _SIZES.value for m in methods for j in grid(size, m)]
   todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
   for i, job in enumerate(todo):
     study.run(*job)
@@ -192,13 +209,12 @@ def main(argv):
   extra = []
   for size in _SIZES.value:
     for m in methods:
-      extra += [(size, m, _claims.claims_best_knob(study.rows, size, m), s)
-                for s in seeds]
+      knob, inner = _claims.claims_best(study.rows, size, m)
+      extra += [(size, m, knob, s, inner) for s in seeds]
   extra = [j for j in extra if _claims.run_name(*j) not in study.imported]
   for i, job in enumerate(extra):
     study.run(*job)
     study.write([_claims.run_name(*j) for j in extra[i + 1:]])
-
 
 if __name__ == '__main__':
   app.run(main)

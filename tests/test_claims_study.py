@@ -100,3 +100,19 @@ def test_source_line_lists_every_setup_the_runs_used():
   assert 'jax 0.11, flax f, optax o; 1 x H100 devices, 16 host CPUs (1 runs)' \
       in line
   assert '1 x cpu devices, 16 host CPUs (2 runs)' in line
+
+
+def test_diloco_settings_pair_the_outer_and_the_inner_lr():
+  assert _claims.run_name('2M', 'diloco_m1', 0.4, 0) == '2M_diloco_m1_0.4_s0'
+  assert (_claims.run_name('2M', 'diloco_m1', 0.4, 1, 6e-3)
+          == '2M_diloco_m1_0.4_s1_i0.006')
+  rows = [_row('0.5M', 'diloco_m1', 0.4, 0, 1.56, 'cpu'),
+          dict(_row('0.5M', 'diloco_m1', 0.4, 0, 1.50, 'cpu'), inner_lr=6e-3),
+          dict(_row('0.5M', 'diloco_m1', 0.4, 1, 1.52, 'cpu'), inner_lr=6e-3),
+          _row('0.5M', 'diloco_m1', 0.4, 1, 1.40, 'cpu')]
+  # Seed 0 picks the setting; the seeds of that setting only are averaged.
+  assert _claims.claims_summary(rows, '0.5M', 'diloco_m1') == (
+      (0.4, 6e-3), [1.50, 1.52])
+  sweep = _claims.claims_sweep({'results': {
+      'rows': rows, 'setup': {'methods': {'diloco_m1': 'DiLoCo M=1'}}}})
+  assert '| outer lr 0.4, inner lr 0.006 | 1.5000 |' in sweep
