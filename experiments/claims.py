@@ -76,6 +76,9 @@ _METHODS = flags.DEFINE_list('methods', ['dp', 'diloco_m1', 'diloco_m4'],
 _IMPORT = flags.DEFINE_list(
     'import_results', [], 'claims.json files written by other runs of this '
     'study (another machine); their rows join the table and are not rerun.')
+_MERGE_ONLY = flags.DEFINE_bool(
+    'merge_only', False, 'Train nothing: write the table of the imported '
+    'rows, with every run of the grid not among them listed as to do.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 flags.mark_flag_as_required('workdir')
 
@@ -202,6 +205,11 @@ def main(argv):
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
   todo = [j for size in _SIZES.value for m in methods for j in grid(size, m)]
   todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
+  if _MERGE_ONLY.value:
+    study.write([_claims.run_name(*j) for j in todo]
+                + [f'{size} seeds {seeds} of the best settings'
+                   for size in _SIZES.value])
+    return
   for i, job in enumerate(todo):
     study.run(*job)
     study.write([_claims.run_name(*j) for j in todo[i + 1:]]
@@ -209,8 +217,9 @@ def main(argv):
   extra = []
   for size in _SIZES.value:
     for m in methods:
-      knob, inner = _claims.claims_best(study.rows, size, m)
-      extra += [(size, m, knob, s, inner) for s in seeds]
+      best = _claims.claims_best(study.rows, size, m)
+      if best is not None:
+        extra += [(size, m, best[0], s, best[1]) for s in seeds]
   extra = [j for j in extra if _claims.run_name(*j) not in study.imported]
   for i, job in enumerate(extra):
     study.run(*job)
