@@ -61,12 +61,13 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _SIZES = flags.DEFINE_list('sizes', ['0.5M', '2M', '8M'], 'Model sizes.')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
-_DP_LRS = flags.DEFINE_list('dp_lrs', ['1.2e-2', '6e-3', '3e-3', '1.5e-3'],
-                            'Data-parallel peak learning rates.')
+_DP_LRS = flags.DEFINE_list(
+    'dp_lrs', ['2.4e-2', '1.2e-2', '6e-3', '3e-3', '1.5e-3'],
+    'Data-parallel peak learning rates.')
 _OUTER_LRS = flags.DEFINE_list('outer_lrs', ['0.2', '0.4', '0.7', '1.0'],
                                'DiLoCo outer learning rates.')
 _INNER_LRS = flags.DEFINE_list(
-    'diloco_inner_lrs', ['3e-3', '6e-3'],
+    'diloco_inner_lrs', ['3e-3', '6e-3', '1.2e-2'],
     'DiLoCo inner (AdamW) peak learning rates, each with every outer lr; the '
     'DiLoCo scaling-law paper tunes them apart from data-parallel\'s.')
 _SEEDS = flags.DEFINE_list('seeds', ['1', '2'],

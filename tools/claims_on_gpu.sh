@@ -16,8 +16,9 @@
 # took a whole 5-minute call before the first step; the math is the same
 # float32, by other kernels.
 #
-# Phase 1 sweeps the tuned value (data-parallel inner lr, DiLoCo outer lr),
-# one process per setting, all at once on the one GPU; phase 2 runs the
+# Phase 1 sweeps the tuned values (data-parallel inner lr; DiLoCo outer lr
+# at each inner lr), one process per setting, PARALLEL (8) at a time on the
+# one GPU; phase 2 runs the
 # extra seeds of each best setting. OUT_DIR gets one claims.json per size and
 # method (import them here with --import_results) and the logs. Float32
 # matmuls run at full precision (the GPU default is TF32), as on the CPU.
@@ -44,31 +45,37 @@ common=(--num_steps=${STEPS:-600} --cpu_devices=1 --config.mesh.workers=1
         --config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1
         "--config.data.source_dirs=('.claims_src/stdlib',)")
 start=$SECONDS
+# "size method flags knob inner": the grid of experiments/claims.py.
 phase1=()
 for size in $sizes; do
-  for lr in 3e-3 1.5e-3; do
-    phase1+=("$size dp --dp_lrs=$lr $lr")
+  for lr in 2.4e-2 1.2e-2 6e-3 3e-3 1.5e-3; do
+    phase1+=("$size dp --dp_lrs=$lr $lr -")
   done
-  for lr in 0.2 0.4 0.7 1.0; do
-    phase1+=("$size diloco_m1 --outer_lrs=$lr $lr")
+  for inner in 3e-3 6e-3 1.2e-2; do
+    for lr in 0.2 0.4 0.7 1.0; do
+      phase1+=("$size diloco_m1 --outer_lrs=$lr,--diloco_inner_lrs=$inner $lr $inner")
+    done
   done
 done
-done_before() {  # size method knob: is its seed-0 run in PRIOR?
+done_before() {  # size method knob inner: its seed-0 run is in PRIOR?
   python3 -c "import json, sys; from experiments import _claims
 try:
   rows = json.load(open('$prior/$1_$2.json'))['results']['rows']
 except OSError:
   sys.exit(1)
-sys.exit(_claims.run_name('$1', '$2', float('$3'), 0) not in
+inner = None if '$4' in ('-', '3e-3') else float('$4')
+sys.exit(_claims.run_name('$1', '$2', float('$3'), 0, inner) not in
          {r['name'] for r in rows})"
 }
 for job in "${phase1[@]}"; do
-  read -r size method knobs tag <<<"$job"
-  if done_before "$size" "$method" "$tag"; then continue; fi
-  timeout $((budget * 6 / 10)) python3 -m experiments.claims \
-    --workdir="$work/${size}_${method}_$tag" --sizes="$size" \
-    --methods="$method" "$knobs" --seeds= "${common[@]}" \
-    >"$work/${size}_${method}_$tag.log" 2>&1 &
+  read -r size method flags tag inner <<<"$job"
+  if done_before "$size" "$method" "$tag" "$inner"; then continue; fi
+  while (($(jobs -rp | wc -l) >= ${PARALLEL:-8})); do wait -n; done
+  IFS=, read -r -a extra <<<"$flags"
+  timeout $((budget * 6 / 10 - (SECONDS - start))) python3 -m \
+    experiments.claims --workdir="$work/${size}_${method}_${tag}_$inner" \
+    --sizes="$size" --methods="$method" "${extra[@]}" --seeds= \
+    "${common[@]}" >"$work/${size}_${method}_${tag}_$inner.log" 2>&1 &
 done
 wait
 echo "phase 1 done after $((SECONDS - start)) s"
