@@ -9,6 +9,7 @@ sync-count match, and the table renderers (registered in
 """
 
 import json
+import os
 from typing import Any
 
 from experiments import _runs
@@ -51,6 +52,12 @@ def import_rows(paths) -> list[dict]:
       raise ValueError(f'{path} has sizes {unknown} this study does not '
                        'know')
     seen = {r['name'] for r in rows}
+    kinds = {os.path.basename(str(r.get('workdir'))):
+             r['provenance'].get('device', {}).get('device_kind')
+             for r in data.get('runs', [])}
+    for r in got:  # rows written before rows named their device
+      if 'device' not in r and kinds.get(r['name']):
+        r['device'] = kinds[r['name']]
     rows += [r for r in got if r['name'] not in seen]
     known = {(r['label'], r.get('workdir')) for r in _runs.RUNS}
     _runs.RUNS.extend(r for r in data.get('runs', [])

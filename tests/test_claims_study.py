@@ -116,3 +116,18 @@ def test_diloco_settings_pair_the_outer_and_the_inner_lr():
   sweep = _claims.claims_sweep({'results': {
       'rows': rows, 'setup': {'methods': {'diloco_m1': 'DiLoCo M=1'}}}})
   assert '| outer lr 0.4, inner lr 0.006 | 1.5000 |' in sweep
+
+
+def test_rows_written_before_devices_were_named_take_their_runs_device(
+    tmp_path):
+  row = _row('0.5M', 'dp', 3e-3, 0, 1.5, None)
+  del row['device']
+  run = {'label': 'x', 'workdir': f'/runs/{row["name"]}', 'config': {},
+         'provenance': {'device': {'device_kind': 'cpu'}}}
+  path = tmp_path / 'claims.json'
+  path.write_text(json.dumps({'runs': [run], 'results': {'rows': [row]}}))
+  before = len(_runs.RUNS)
+  try:
+    assert _claims.import_rows([str(path)])[0]['device'] == 'cpu'
+  finally:
+    del _runs.RUNS[before:]
