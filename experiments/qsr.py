@@ -107,12 +107,13 @@ def main(argv):
     label = (f'QSR alpha {knob:.4g}' if rule == 'qsr' else f'H = {knob}')
     s = _runs.run(c, os.path.join(_WORKDIR.value, f'{name}_s{seed}'),
                   f'{label}, seed {seed}')
-    if s['syncs'] != _claims.count_syncs(c):
+    expected = _claims.count_syncs(c)
+    if s['syncs'] != expected:
       raise SystemExit(f'{label}: the run synced {s["syncs"]} times, its '
-                       f'schedule says {_claims.count_syncs(c)}; the pairs '
-                       'would not move equal bytes')
+                       f'schedule says {expected}; the pairs would not move '
+                       'equal bytes')
     rows.append({'name': name, 'rule': rule, 'knob': knob, 'pair': pair,
-                 'seed': seed, 'expected_syncs': _claims.count_syncs(c),
+                 'seed': seed, 'expected_syncs': expected,
                  'syncs': s['syncs'], 'final_eval_loss': s['final_eval_loss'],
                  'cross_worker_bytes': s['cross_worker_bytes'],
                  'steps': s['step'], 'curve': s['curve']['eval']})
