@@ -188,8 +188,26 @@ def claims_main(data: dict[str, Any]) -> str:
     cells.append(_devices([r for r in rows if r['size'] == size]))
     lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
   if res.get('pending'):
-    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+    lines += ['', f'Not run yet: {_pending_summary(res["pending"])}.']
   return '\n'.join(lines) + '\n'
+
+
+def _pending_summary(pending) -> str:
+  """The runs not done yet, counted per size and method (the names are in
+  the results file); other entries (e.g. seeds still to run) as written."""
+  counts: dict[tuple[str, str], int] = {}
+  other = []
+  for name in pending:
+    size, rest = name.split('_', 1) if '_' in name else (name, '')
+    method = next((m for m in sorted(METHODS, key=len, reverse=True)
+                   if rest.startswith(m + '_')), None)
+    if size in SIZES and method is not None:
+      counts[size, method] = counts.get((size, method), 0) + 1
+    else:
+      other.append(name)
+  parts = [f'{size} {METHODS[m][0]}: {n} setting{"s" * (n != 1)} of the '
+           'grid' for (size, m), n in counts.items()]
+  return '; '.join(parts + other)
 
 
 def _devices(rows) -> str:
@@ -207,7 +225,14 @@ def _devices(rows) -> str:
 def claims_sweep(data: dict[str, Any]) -> str:
   """Every seed-0 run of the sweep: final eval loss per tuned value."""
   res = data['results']
-  rows = [r for r in res['rows'] if r['seed'] == 0]
+  order = {k: i for i, k in enumerate(SIZES)}
+  methods = list(METHODS)
+  base_inner = res['setup'].get('inner_learning_rate', 0.0)
+  rows = sorted((r for r in res['rows'] if r['seed'] == 0),
+                key=lambda r: (order.get(r['size'], len(order)),
+                               methods.index(r['method'])
+                               if r['method'] in methods else len(methods),
+                               r.get('inner_lr') or base_inner, r['knob']))
   lines = ['| size | method | tuned value | final eval loss | '
            'cross-worker bytes | device |', '|---|---|---|---|---|---|']
   for r in rows:
@@ -257,5 +282,5 @@ def qsr_main(data: dict[str, Any]) -> str:
                  f'{format_bytes(r["cross_worker_bytes"])} | {loss:.4f}{seeds}'
                  f' | {gap} |')
   if res.get('pending'):
-    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+    lines += ['', f'Not run yet: {_pending_summary(res["pending"])}.']
   return '\n'.join(lines) + '\n'

@@ -131,3 +131,29 @@ def test_rows_written_before_devices_were_named_take_their_runs_device(
     assert _claims.import_rows([str(path)])[0]['device'] == 'cpu'
   finally:
     del _runs.RUNS[before:]
+
+
+def test_sweep_is_ordered_and_pending_runs_are_counted_per_method():
+  rows = [dict(_row('2M', 'diloco_m1', 0.2, 0, 1.41, 'cpu'), inner_lr=6e-3),
+          _row('2M', 'dp', 3e-3, 0, 1.31, 'cpu'),
+          _row('0.5M', 'diloco_m1', 0.7, 0, 1.60, 'cpu'),
+          _row('0.5M', 'diloco_m1', 0.4, 0, 1.55, 'cpu'),
+          dict(_row('0.5M', 'diloco_m1', 0.2, 0, 1.58, 'cpu'),
+               inner_lr=1.5e-3)]
+  methods = {k: v[0] for k, v in _claims.METHODS.items()}
+  sweep = _claims.claims_sweep({'results': {
+      'rows': rows, 'setup': {'methods': methods,
+                              'inner_learning_rate': 3e-3}}})
+  order = [line.split(' | ')[2] for line in sweep.splitlines()[2:]]
+  # size, then method, then inner lr (the config's 3e-3 in its place),
+  # then outer lr.
+  assert order == ['outer lr 0.2, inner lr 0.0015', 'outer lr 0.4',
+                   'outer lr 0.7', 'inner lr 0.003',
+                   'outer lr 0.2, inner lr 0.006']
+  pending = ['0.5M_dp_0.00075_s0', '2M_diloco_m4_0.2_s0',
+             '2M_diloco_m4_0.4_s0_i0.006', '2M_diloco_m1_0.1_s0',
+             '8M seeds [1, 2] of the best settings']
+  assert _claims._pending_summary(pending) == (
+      '0.5M data-parallel: 1 setting of the grid; 2M DiLoCo M=4: 2 settings '
+      'of the grid; 2M DiLoCo M=1: 1 setting of the grid; 8M seeds [1, 2] '
+      'of the best settings')
