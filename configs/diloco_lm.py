@@ -57,6 +57,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 2  # Data-parallel devices inside a worker.
   c.mesh.fsdp = 1  # Devices a worker's parameters are sharded over.
   c.mesh.tensor = 1  # Tensor-parallel devices inside a worker.
+  # True: the mesh.workers workers are stacked on every device (jax.vmap
+  # over a named worker axis) instead of each having its own devices, so M
+  # workers run on one GPU or CPU (data * fsdp * tensor = the devices).
+  # Same numerics; no collective crosses devices, so no bytes are measured.
+  c.mesh.simulate_workers = False
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # Or 'mlp': configs/diloco_lm.py:mlp.

@@ -222,6 +222,12 @@ def _devices(rows) -> str:
   return '; '.join(f'{d}: {", ".join(m)}' for d, m in by_device.items())
 
 
+def _bytes_cell(row) -> str:
+  if row.get('simulated_workers'):
+    return 'not measured (simulated workers)'
+  return format_bytes(row['cross_worker_bytes'])
+
+
 def claims_sweep(data: dict[str, Any]) -> str:
   """Every seed-0 run of the sweep: final eval loss per tuned value."""
   res = data['results']
@@ -241,7 +247,7 @@ def claims_sweep(data: dict[str, Any]) -> str:
              else f', inner lr {r["inner_lr"]:g}')
     lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
                  f'{what}{r["knob"]:g}{inner} | {r["final_eval_loss"]:.4f} | '
-                 f'{format_bytes(r["cross_worker_bytes"])} | '
+                 f'{_bytes_cell(r)} | '
                  f'{r.get("device", "not recorded")} |')
   return '\n'.join(lines) + '\n'
 

@@ -39,7 +39,10 @@ device, with ``--config.mesh.data=1``) and the run writes its own
 provenance of its runs) to the table and skips those runs. Every row names
 the device it ran on; compare rows of one size across devices only at the
 same matmul precision (``JAX_DEFAULT_MATMUL_PRECISION=highest`` on a GPU,
-whose default for float32 is TF32).
+whose default for float32 is TF32). ``--simulate_workers`` runs M = 4 on
+fewer than 4 devices (one GPU): its 4 workers are stacked on every device
+(``mesh.simulate_workers``, tested equal to workers on their own devices),
+and its rows say so instead of giving bytes.
 """
 
 import copy
@@ -81,6 +84,10 @@ _MERGE_ONLY = flags.DEFINE_bool(
     'merge_only', False, 'Train nothing: write the table of the imported '
     'rows, with every run of the grid not among them listed as to do.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_SIMULATE = flags.DEFINE_bool(
+    'simulate_workers', False, 'Stack the M = 4 workers on every device '
+    '(mesh.simulate_workers: the same numerics, no bytes measured), so M = 4 '
+    'runs on one device, e.g. a GPU.')
 flags.mark_flag_as_required('workdir')
 
 
@@ -100,9 +107,12 @@ def _config(base, size, method, knob, seed, inner=None):
              * base.mesh.tensor)
   fields = {f'model__{k}': v for k, v in SIZES[size].items()}
   fields.update(overrides)
+  simulate = _SIMULATE.value and workers > 1
   fields.update({'num_steps': _NUM_STEPS.value, 'seed': seed,
                  'outer__sync_every': _SYNC_EVERY.value,
-                 'mesh__workers': workers, 'mesh__data': devices // workers,
+                 'mesh__workers': workers,
+                 'mesh__data': devices if simulate else devices // workers,
+                 'mesh__simulate_workers': simulate,
                  'mesh__fsdp': 1, 'mesh__tensor': 1,
                  'eval_every': max(_NUM_STEPS.value // 6, 1),
                  'checkpoint_every': max(_NUM_STEPS.value // 6, 1)})
@@ -139,6 +149,9 @@ class _Study:
            'syncs': s['syncs'], 'steps': s['step'], 'device': self.device,
            'train_seconds': s.get('train_seconds_this_run'),
            'curve': s['curve']['eval']}
+    if s.get('simulated_workers'):  # its bytes are not measured
+      row['simulated_workers'] = s['simulated_workers']
+      row['cross_worker_bytes'] = None
     self.rows.append(row)
     return row
 
@@ -181,7 +194,7 @@ def main(argv):
   devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
              * base.mesh.tensor)
   for m in methods:
-    if devices % METHODS[m][1]:
+    if devices % METHODS[m][1] and not _SIMULATE.value:
       raise app.UsageError(f'{m} needs {METHODS[m][1]} workers, which do not '
                            f'divide the config\'s {devices} devices')
   knobs = {'dp': _floats(_DP_LRS.value, 'dp_lrs'),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The claims study's data-parallel and DiLoCo M = 1 rows at 2M and 8M
-# parameters on one GPU (experiments/claims.py, "Part of the study can run
+# The claims study's data-parallel, DiLoCo M = 1 and DiLoCo M = 4 rows at 2M
+# and 8M parameters on one GPU (M = 4 with its workers stacked on the GPU,
+# mesh.simulate_workers) (experiments/claims.py, "Part of the study can run
 # elsewhere"). Run from the repository root on a machine with jax[cuda] and
 # the packages of pyproject.toml; the data is the standard library copy in
 # .claims_src/stdlib (the same files this study reads on the CPU machine, so
@@ -57,6 +58,15 @@ for size in $sizes; do
     done
   done
 done
+# M = 4 with its workers stacked on the one GPU (--simulate_workers), after
+# the rest: the outer lr at the inner lrs that won for M = 1 and at 0.5M.
+for size in $sizes; do
+  for inner in 3e-3 6e-3; do
+    for lr in 0.4 0.7 1.0 0.2; do
+      phase1+=("$size diloco_m4 --outer_lrs=$lr,--diloco_inner_lrs=$inner,--simulate_workers $lr $inner")
+    done
+  done
+done
 done_before() {  # size method knob inner: its seed-0 run is in PRIOR?
   python3 -c "import json, sys; from experiments import _claims
 try:
@@ -80,19 +90,20 @@ done
 wait
 echo "phase 1 done after $((SECONDS - start)) s"
 for size in $sizes; do
-  for method in dp diloco_m1; do
+  for method in dp diloco_m1 diloco_m4; do
     files=$(ls "$prior/${size}_${method}.json" \
       "$work"/${size}_${method}_*/claims.json 2>/dev/null | paste -sd,)
+    [[ -n "$files" ]] || continue
     timeout $((budget - (SECONDS - start))) python3 -m experiments.claims \
       --workdir="$work/${size}_${method}" --sizes="$size" --methods="$method" \
-      --import_results="$files" "${common[@]}" \
+      --import_results="$files" --simulate_workers "${common[@]}" \
       >"$work/${size}_${method}.log" 2>&1 &
   done
 done
 wait
 echo "phase 2 done after $((SECONDS - start)) s"
 for size in $sizes; do
-  for method in dp diloco_m1; do
+  for method in dp diloco_m1 diloco_m4; do
     cp "$work/${size}_${method}/claims.json" "$out/${size}_${method}.json" \
       2>/dev/null || echo "no results for $size $method"
   done

@@ -39,17 +39,42 @@ from loc_opt.train.method import eval_params_fn
 from loc_opt.train.method import Method
 
 
+def simulates_workers(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config`` stacks its ``mesh.workers`` workers on every device
+  (``mesh.simulate_workers``) instead of giving each its own devices."""
+  value = config.mesh.get('simulate_workers', False)
+  if not isinstance(value, bool):
+    raise ValueError(f'mesh.simulate_workers must be True or False, got '
+                     f'{value!r}')
+  return value
+
+
 def _check_mesh(config, num_devices: int) -> None:
   m = config.mesh
   for name in ('workers', 'data', 'fsdp', 'tensor'):
     _checks.positive_int(m[name], f'mesh.{name}', arrays=True)
+  if simulates_workers(config):
+    shape = m.data * m.fsdp * m.tensor
+    if shape != num_devices:
+      raise ValueError(
+          f'mesh.simulate_workers=True stacks the {m.workers} workers on '
+          f'every device, so mesh.data * mesh.fsdp * mesh.tensor = {m.data} '
+          f'* {m.fsdp} * {m.tensor} = {shape} must equal the {num_devices} '
+          'devices.')
+    if cfg_lib.state_layout(config) == 'sharded':
+      raise ValueError("outer.state_layout='sharded' splits the outer state "
+                       'over the workers\' devices, which '
+                       'mesh.simulate_workers=True does not have; use '
+                       "'replicated'.")
+    return
   shape = m.workers * m.data * m.fsdp * m.tensor
   if shape != num_devices:
     raise ValueError(
         f'mesh.workers * mesh.data * mesh.fsdp * mesh.tensor = {m.workers} * '
         f'{m.data} * {m.fsdp} * {m.tensor} = {shape}, but there are '
         f'{num_devices} devices; the worker count must divide the devices '
-        'and the product must equal them.')
+        'and the product must equal them (or set mesh.simulate_workers=True '
+        'to stack the workers on every device).')
 
 
 def _check_batches(config, num_devices: int) -> None:
@@ -70,6 +95,11 @@ def _check_batches(config, num_devices: int) -> None:
   if eval_batch % num_devices:
     raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
                      f'across the {num_devices} devices')
+  if simulates_workers(config) and eval_batch % (m.workers * num_devices):
+    raise ValueError(
+        f'data.eval_batch_size={eval_batch} must divide across the '
+        f'{m.workers} simulated workers x {num_devices} devices (each '
+        'worker evaluates its slice on every device)')
   # A model with positions has a longest sequence (the MLP has none).
   max_len = config.model.get('max_len')
   if max_len is not None and config.data.seq_len > max_len:
@@ -330,7 +360,8 @@ def build_experiment(config: ml_collections.ConfigDict,
   """Validates ``config`` and builds and compiles everything but the data."""
   validate_config(config, jax.device_count() if mesh is None else mesh.size)
   if mesh is None:
-    mesh = parallel.make_worker_mesh(config.mesh.workers, config.mesh.data,
+    workers = 1 if simulates_workers(config) else config.mesh.workers
+    mesh = parallel.make_worker_mesh(workers, config.mesh.data,
                                      config.mesh.fsdp, config.mesh.tensor)
   state_layout = cfg_lib.state_layout(config)
   model = models.build_model(config.model)
@@ -399,8 +430,8 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   The reference a local-update method is compared with: the same model,
   optimizer and mesh, gradients all-reduced every step.
   """
-  if config.mesh.workers == 1:  # nothing crosses workers; no compile
-    return 0
+  if config.mesh.workers == 1 or simulates_workers(config):
+    return 0  # nothing crosses devices' workers; no compile
   dp_config = ml_collections.ConfigDict(config.to_dict())
   # Only what shapes the collectives is kept (so runs that differ in the
   # outer method's settings, the schedule, spikes or length share one

@@ -249,6 +249,10 @@ def _summary(exp, config, counters, logger, workdir, compile_s
       'compile_seconds': compile_s,
       'train_seconds_this_run': logger.train_time,
   }
+  if exp_lib.simulates_workers(config):
+    # The workers share devices: no collective crosses a worker boundary,
+    # so the byte counts above are zeros, not measurements.
+    summary['simulated_workers'] = config.mesh.workers
   init_from = config.get('init_from')
   if init_from is not None and init_from.get('workdir'):
     summary['init_from'] = {'workdir': str(init_from.workdir),
@@ -358,6 +362,13 @@ def format_summary(summary: dict[str, Any]) -> str:
       f'method: {summary["method"]}   steps: {summary["step"]}   '
       f'params: {summary["num_params"]:,}',
       f'final eval loss: {summary["final_eval_loss"]:.4f}',
+  ]
+  if summary.get('simulated_workers'):
+    lines.append(f'cross-worker bytes: not measured ({summary["syncs"]} '
+                 f'syncs; the {summary["simulated_workers"]} workers were '
+                 'simulated on shared devices, mesh.simulate_workers)')
+    return '\n'.join(lines)
+  lines += [
       f'cross-worker bytes moved: {fb(moved)} ({summary["syncs"]} syncs)',
       f'data-parallel would have moved: {fb(dp)} ({ratio})',
   ]
