@@ -15,13 +15,13 @@ import pytest
 from loc_opt import train
 from tests.train._helpers import tiny_config
 
-# The suite runs three methods whose syncs differ in kind: an all-reduce of
-# the whole pseudo-gradient (DiLoCo), of one fragment at a time (Streaming
-# DiLoCo), and collective-permutes between peers (NoLoCo). The others run
-# with LOC_OPT_ALL_METHODS=1 (about 5 more minutes on 2 cores); every
-# method of loc_opt.train.registry passed when the option was added.
-SUITE = ['diloco', 'streaming_diloco', 'noloco']
-OTHERS = ['eager_diloco', 'co2', 'sparseloco', 'demo', 'desloc', 'mt_dao',
+# The suite runs two methods whose syncs differ in kind: an all-reduce of
+# the pseudo-gradient (DiLoCo) and collective-permutes between peers
+# (NoLoCo). The others run with LOC_OPT_ALL_METHODS=1 (about 5 more minutes
+# on 2 cores); every method of loc_opt.train.registry passed when the
+# option was added.
+SUITE = ['diloco', 'noloco']
+OTHERS = ['streaming_diloco', 'eager_diloco', 'co2', 'sparseloco', 'demo', 'desloc', 'mt_dao',
           'local_sgd', 'async_local_sgd', 'edit_diloco',
           'hierarchical_diloco', 'decoupled_diloco', 'data_parallel',
           'compressed_data_parallel']
