@@ -89,6 +89,12 @@ LEVERS = {
                                     '--cpu_devices=4')),
     'mesh 4 x 4 (16 devices)': ('', ('--config.mesh.data=4',
                                      '--cpu_devices=16')),
+    'workers stacked on 1 device (mesh.simulate_workers)': (
+        '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=1',
+             '--cpu_devices=1')),
+    'workers stacked on 2 devices (mesh.simulate_workers, data 2)': (
+        '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=2',
+             '--cpu_devices=2')),
     'blocks under lax.scan': ('', ('--config.model.scan_layers=True',)),
     'jax.nn.dot_product_attention (xla)': (
         '', ('--config.model.attention=xla',)),
