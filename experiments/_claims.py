@@ -104,6 +104,11 @@ def qsr_alpha_for(base, syncs: int) -> float:
   return hi
 
 
+def format_time(seconds: float) -> str:
+  from experiments import tables  # pylint: disable=g-import-not-at-top
+  return tables.format_time(seconds)
+
+
 def format_bytes(n: float) -> str:
   from experiments import tables  # pylint: disable=g-import-not-at-top
   return tables.format_bytes(n)
@@ -189,7 +194,31 @@ def claims_main(data: dict[str, Any]) -> str:
     lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
   if res.get('pending'):
     lines += ['', f'Not run yet: {_pending_summary(res["pending"])}.']
+  compute = compute_line(data.get('runs', []))
+  if compute:
+    lines += ['', compute]
   return '\n'.join(lines) + '\n'
+
+
+def compute_line(runs) -> str:
+  """The wall time the runs' provenance records, summed per device kind
+  (a resumed run records its last segment only, so this is a floor; runs
+  that shared a machine overlap)."""
+  spent: dict[str, list[float]] = {}
+  for r in runs:
+    p = r.get('provenance', {})
+    wall = p.get('wall_seconds')
+    if wall is None:
+      continue
+    kind = p.get('device', {}).get('device_kind', 'unknown device')
+    spent.setdefault(kind, []).append(float(wall))
+  if not spent:
+    return ''
+  parts = [f'{format_time(sum(w))} over {len(w)} runs on {kind}'
+           for kind, w in sorted(spent.items())]
+  return ('Compute recorded: ' + '; '.join(parts) + ' (wall time summed '
+          'over runs; runs that shared a machine overlap, and a resumed run '
+          'counts its last segment only).')
 
 
 def _pending_summary(pending) -> str:

@@ -157,3 +157,15 @@ def test_sweep_is_ordered_and_pending_runs_are_counted_per_method():
       '0.5M data-parallel: 1 setting of the grid; 2M DiLoCo M=4: 2 settings '
       'of the grid; 2M DiLoCo M=1: 1 setting of the grid; 8M seeds [1, 2] '
       'of the best settings')
+
+
+def test_compute_line_sums_the_recorded_wall_time_per_device():
+  def run(kind, wall):
+    return {'provenance': {'device': {'device_kind': kind},
+                           'wall_seconds': wall}}
+  runs = [run('cpu', 3000.0), run('cpu', 4200.0), run('H100', 90.0),
+          {'provenance': {'unknown': 'finished before provenance'}}]
+  line = _claims.compute_line(runs)
+  assert line.startswith('Compute recorded: 1.5 min over 1 runs on H100; '
+                         '2.00 h over 2 runs on cpu (')
+  assert _claims.compute_line([]) == ''
