@@ -84,6 +84,12 @@ _MERGE_ONLY = flags.DEFINE_bool(
     'merge_only', False, 'Train nothing: write the table of the imported '
     'rows, with every run of the grid not among them listed as to do.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+# The results files this study writes (NAME.json; experiments.tables
+# renders each): the main grid, and longer runs of the same table.
+RESULTS_NAMES = ('claims', 'claims_long')
+_RESULTS_NAME = flags.DEFINE_enum(
+    'results_name', 'claims', RESULTS_NAMES,
+    'The results file (NAME.json) this study writes.')
 _SIMULATE = flags.DEFINE_bool(
     'simulate_workers', False, 'Stack the M = 4 workers on every device '
     '(mesh.simulate_workers: the same numerics, no bytes measured), so M = 4 '
@@ -166,7 +172,7 @@ class _Study:
                        or any(r['size'] == k for r in self.rows)},
              'methods': {k: v[0] for k, v in METHODS.items()}}
     results = {'setup': setup, 'rows': self.rows, 'pending': pending}
-    _runs.write(_WORKDIR.value, 'claims',
+    _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 tables.render('claims', 'main', {'results': results}),
                 results)
 

@@ -355,6 +355,7 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('claims', 'main'): _claims.claims_main,
     ('claims', 'sweep'): _claims.claims_sweep,
+    ('claims_long', 'main'): _claims.claims_main,
     ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
     ('benchmark_step_time', 'main'): step_time_main,
