@@ -221,6 +221,39 @@ def compute_line(runs) -> str:
           'counts its last segment only).')
 
 
+def claims_figure(data: dict[str, Any], path) -> None:
+  """Eval loss against training tokens of each method's best setting
+  (seed 0), one panel per size."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  res = data['results']
+  s, rows = res['setup'], res['rows']
+  sizes = [k for k in SIZES if any(r['size'] == k for r in rows)]
+  tokens = s['batch_size'] * s['seq_len']
+  fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4),
+                           squeeze=False)
+  for ax, size in zip(axes[0], sizes):
+    for m, label in s['methods'].items():
+      best = claims_best(rows, size, m)
+      if best is None:
+        continue
+      row = next(r for r in rows if r['size'] == size and r['method'] == m
+                 and r['seed'] == 0 and setting(r) == best)
+      steps = sorted(row['curve'], key=int)
+      ax.plot([int(k) * tokens / 1e6 for k in steps],
+              [row['curve'][k] for k in steps], marker='o', markersize=3,
+              label=f'{label} [{_setting_text(best)}]')
+    ax.set_title(f'{size}, {s["num_steps"]} steps')
+    ax.set_xlabel('training tokens (M)')
+    ax.set_ylabel('eval loss')
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def _pending_summary(pending) -> str:
   """The runs not done yet, counted per size and method (the names are in
   the results file); other entries (e.g. seeds still to run) as written."""
