@@ -190,6 +190,13 @@ def test_resume_ignores_fields_the_method_never_reads(data_dir):
   current['faults']['chaos_chips_per_learner'] = 2
   assert ckpt_lib.resume_diffs(saved, current) == [
       'faults.chaos_chips_per_learner: None -> 2']
+  # Runs saved before mesh.simulate_workers existed had their own devices.
+  current['faults']['chaos_chips_per_learner'] = 1
+  del saved['mesh']['simulate_workers']
+  assert ckpt_lib.resume_diffs(saved, current) == []
+  current['mesh']['simulate_workers'] = True
+  assert ckpt_lib.resume_diffs(saved, current)[0].startswith(
+      'mesh.simulate_workers: None -> True')
 
 
 def _truncate_arrays(step_dir):
