@@ -227,13 +227,13 @@ def main(argv):
   todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
   if _MERGE_ONLY.value:
     study.write([_claims.run_name(*j) for j in todo]
-                + [f'{size} seeds {seeds} of the best settings'
-                   for size in _SIZES.value])
+                + ([f'{size} seeds {seeds} of the best settings'
+                    for size in _SIZES.value] if seeds else []))
     return
+  later = [f'{size} seeds {seeds}' for size in _SIZES.value] if seeds else []
   for i, job in enumerate(todo):
     study.run(*job)
-    study.write([_claims.run_name(*j) for j in todo[i + 1:]]
-                + [f'{size} seeds {seeds}' for size in _SIZES.value])
+    study.write([_claims.run_name(*j) for j in todo[i + 1:]] + later)
   extra = []
   for size in _SIZES.value:
     for m in methods:
@@ -244,6 +244,8 @@ def main(argv):
   for i, job in enumerate(extra):
     study.run(*job)
     study.write([_claims.run_name(*j) for j in extra[i + 1:]])
+  if not extra:  # nothing left: the last write listed the seeds as to do
+    study.write([])
 
 if __name__ == '__main__':
   app.run(main)
