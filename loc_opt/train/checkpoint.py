@@ -426,8 +426,7 @@ _ADDED_WITH_OLD_BEHAVIOUR = {
     'faults.chaos_chips_per_learner': 1,
     'outer.aggregate': 'mean',  # the plain mean; trim and clip unused
     'outer.aggregate_trim': 1, 'outer.aggregate_clip': 1.0,
-    'outer.state_layout': 'replicated',
-    'mesh.simulate_workers': False,  # workers on devices of their own
+    'outer.state_layout': 'replicated', 'mesh.simulate_workers': False,
 }
 
 # The faults fields only a method with a timeline (Method.step_inputs)
