@@ -261,8 +261,7 @@ def _pending_summary(pending) -> str:
   other = []
   for name in pending:
     size, rest = name.split('_', 1) if '_' in name else (name, '')
-    method = next((m for m in sorted(METHODS, key=len, reverse=True)
-                   if rest.startswith(m + '_')), None)
+    method = next((m for m in METHODS if rest.startswith(m + '_')), None)
     if size in SIZES and method is not None:
       counts[size, method] = counts.get((size, method), 0) + 1
     else:

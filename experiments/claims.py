@@ -225,12 +225,11 @@ def main(argv):
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
   todo = [j for size in _SIZES.value for m in methods for j in grid(size, m)]
   todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
+  later = ([f'{size} seeds {seeds} of the best settings'
+            for size in _SIZES.value] if seeds else [])
   if _MERGE_ONLY.value:
-    study.write([_claims.run_name(*j) for j in todo]
-                + ([f'{size} seeds {seeds} of the best settings'
-                    for size in _SIZES.value] if seeds else []))
+    study.write([_claims.run_name(*j) for j in todo] + later)
     return
-  later = [f'{size} seeds {seeds}' for size in _SIZES.value] if seeds else []
   for i, job in enumerate(todo):
     study.run(*job)
     study.write([_claims.run_name(*j) for j in todo[i + 1:]] + later)

@@ -14,6 +14,7 @@ import pytest
 
 from loc_opt import train
 from tests.train._helpers import tiny_config
+from tests.train.test_registry import CASES  # per-method fields
 
 # The suite runs two methods whose syncs differ in kind: an all-reduce of
 # the pseudo-gradient (DiLoCo) and collective-permutes between peers
@@ -25,10 +26,7 @@ OTHERS = ['streaming_diloco', 'eager_diloco', 'co2', 'sparseloco', 'demo', 'desl
           'local_sgd', 'async_local_sgd', 'edit_diloco',
           'hierarchical_diloco', 'decoupled_diloco', 'data_parallel',
           'compressed_data_parallel']
-# Fields the tiny config needs for some methods.
-FIELDS = {'streaming_diloco': {'outer.sync_every': 6},
-          'mt_dao': {'optimizer.name': 'multi_timescale_adam',
-                     'optimizer.kwargs': {'b2': 0.95, 'weight_decay': 0.1}}}
+
 
 
 def _check(data_dir, tmp_path, method):
@@ -38,7 +36,7 @@ def _check(data_dir, tmp_path, method):
     config = tiny_config(data_dir, **{
         'mesh.workers': 4, 'outer.method': method, 'num_steps': 12,
         'batch_size': 32, 'data.eval_batch_size': 32, 'eval_every': 12,
-        'checkpoint_every': 0, **FIELDS.get(method, {}), **layout})
+        'checkpoint_every': 0, **CASES.get(method, {}), **layout})
     summaries.append(train.train_and_evaluate(
         config, tmp_path / str(len(summaries))))
   real, simulated = summaries
