@@ -33,6 +33,34 @@ def variant(base: ml_collections.ConfigDict,
   return cfg_lib.with_overrides(base, overrides, sep='__')
 
 
+# Sections of the DiLoCo family whose outer step does not fall back to
+# outer.learning_rate / outer.momentum when cleared (a sweep writes its grid
+# point into them; outer.eager_diloco's are cleared, so it reads the shared).
+OWN_OUTER_STEP = {'co2': ('learning_rate', 'momentum'),
+                  'noloco': ('momentum',)}
+
+
+def outer_grid_point(base: ml_collections.ConfigDict, method: str,
+                     workers: int, lr: float, momentum: float,
+                     sync_every: int) -> ml_collections.ConfigDict:
+  """``base`` with method ``method`` on ``workers`` workers (the devices
+  split ``workers x devices / workers``) and outer step (lr, momentum), in
+  whichever fields the method reads it from."""
+  devices = base.mesh.workers * base.mesh.data * base.mesh.fsdp
+  devices *= base.mesh.tensor
+  overrides = {'outer__method': method, 'outer__sync_every': sync_every,
+               'outer__learning_rate': lr, 'outer__momentum': momentum,
+               'mesh__workers': workers, 'mesh__data': devices // workers,
+               'mesh__fsdp': 1, 'mesh__tensor': 1}
+  section = base.outer.get(method)
+  point = {'learning_rate': lr, 'momentum': momentum}
+  for field in ('learning_rate', 'momentum'):
+    if section is not None and field in section:
+      overrides[f'outer__{method}__{field}'] = (
+          point[field] if field in OWN_OUTER_STEP.get(method, ()) else None)
+  return variant(base, **overrides)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
         label: str) -> dict[str, Any]:
   """Trains (or resumes, or reads a finished run) and prints one line.

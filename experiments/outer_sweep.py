@@ -1,4 +1,4 @@
-r"""Outer momentum (and learning rate) sweep of DiLoCo and Eager updates.
+r"""Outer momentum (and learning rate) sweep of the DiLoCo family.
 
 Why: with the outer step DiLoCo uses (Nesterov, lr 0.7, momentum 0.9),
 Eager updates applies (M-1)/M of each outer gradient one round late, and a
@@ -10,13 +10,24 @@ same grid for both), and reports each run's final eval loss and the best
 setting per method and M. The per-method default of ``outer.eager_diloco``
 in ``configs/diloco_lm.py`` is read from this table.
 
+The same sweep of the other methods whose outer step is their own (CO2,
+whose outer step also lands a round late, and NoLoCo's heavy-ball step)
+writes another results file, read by their sections of the config:
+
+  python -m experiments.outer_sweep --workdir=/tmp/outer_sweep_own \
+    --results_name=outer_sweep_own --methods=co2,noloco --workers=4 \
+    --momenta=0.9,0.5,0.3,0.1
+
   python -m experiments.outer_sweep --workdir=/tmp/outer_sweep \
     [--methods=eager_diloco,diloco] [--workers=2,4] \
     [--momenta=0.9,0.7,0.5,0.3,0.1,0.0] [--learning_rates=0.7] \
     [--sync_every=30]
 
-Every run sets ``outer.learning_rate`` / ``outer.momentum`` (and clears the
-method's own section values, so the grid point is what runs). Finished runs
+Every run sets ``outer.learning_rate`` / ``outer.momentum``; a method's own
+section values are cleared where the method falls back to those
+(``outer.eager_diloco``) and set to the grid point where it does not
+(``outer.co2``'s learning rate and momentum, ``outer.noloco``'s momentum),
+so the grid point is what runs. Finished runs
 are read back and an interrupted one resumes, so the command can be rerun;
 the results file ``outer_sweep.json`` is rewritten after every run.
 """
@@ -43,9 +54,14 @@ _MOMENTA = flags.DEFINE_list(
 _LRS = flags.DEFINE_list('learning_rates', ['0.7'], 'Outer learning rates.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'H.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+
+_RESULTS_NAME = flags.DEFINE_enum(
+    'results_name', 'outer_sweep', ['outer_sweep', 'outer_sweep_own'],
+    'The results file (NAME.json) this sweep writes.')
 flags.mark_flag_as_required('workdir')
 
-LABELS = {'diloco': 'DiLoCo', 'eager_diloco': 'Eager updates'}
+LABELS = {'diloco': 'DiLoCo', 'eager_diloco': 'Eager updates', 'co2': 'CO2',
+          'noloco': 'NoLoCo'}
 
 
 def _floats(values, flag):
@@ -77,15 +93,7 @@ def main(argv):
   rows = []
   for i, (method, m, lr, mom) in enumerate(grid):
     name = f'{method}_m{m}_lr{lr:g}_mom{mom:g}'
-    overrides = {'outer__method': method, 'outer__sync_every': _SYNC_EVERY.value,
-                 'outer__learning_rate': lr, 'outer__momentum': mom,
-                 'mesh__workers': m, 'mesh__data': devices // m,
-                 'mesh__fsdp': 1, 'mesh__tensor': 1}
-    section = base.outer.get(method)
-    for field in ('learning_rate', 'momentum'):
-      if section is not None and field in section:
-        overrides[f'outer__{method}__{field}'] = None
-    c = _runs.variant(base, **overrides)
+    c = _runs.outer_grid_point(base, method, m, lr, mom, _SYNC_EVERY.value)
     label = f'{LABELS.get(method, method)}, M={m}, lr {lr:g}, mom {mom:g}'
     s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
     rows.append({'name': name, 'method': method, 'workers': m,
@@ -95,7 +103,7 @@ def main(argv):
     results = {'setup': setup, 'rows': rows,
                'pending': [f'{g[0]}_m{g[1]}_lr{g[2]:g}_mom{g[3]:g}'
                            for g in grid[i + 1:]]}
-    _runs.write(_WORKDIR.value, 'outer_sweep',
+    _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 tables.render('outer_sweep', 'main', {'results': results}),
                 results)
 

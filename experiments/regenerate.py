@@ -50,6 +50,9 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {
     'wire_bytes': Benchmark('wire_bytes'),
     'outer_sweep': Benchmark('outer_sweep'),
+    'outer_sweep_own': Benchmark('outer_sweep', (
+        '--results_name=outer_sweep_own', '--methods=co2,noloco',
+        '--workers=4', '--momenta=0.9,0.5,0.3,0.1')),
     'diloco_family': Benchmark('diloco_family'),
     'compare_dp_diloco': Benchmark('compare_dp_diloco'),
     'compression_tradeoff': Benchmark('compression_tradeoff'),

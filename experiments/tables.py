@@ -358,6 +358,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('claims_long', 'main'): _claims.claims_main,
     ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
+    ('outer_sweep_own', 'main'): outer_sweep_main,
     ('benchmark_step_time', 'main'): step_time_main,
     ('benchmark_step_time', 'throughput'): step_time_throughput,
     ('benchmark_step_time', 'levers'): step_time_levers,

@@ -169,3 +169,27 @@ def test_compute_line_sums_the_recorded_wall_time_per_device():
   assert line.startswith('Compute recorded: 1.5 min over 1 runs on H100; '
                          '2.00 h over 2 runs on cpu (')
   assert _claims.compute_line([]) == ''
+
+
+def test_outer_sweep_grid_point_reaches_each_methods_outer_step():
+  """The sweep's (lr, momentum) is what each method runs: shared fields for
+  DiLoCo, cleared section for Eager updates, written into CO2's and
+  NoLoCo's own sections (they do not fall back to the shared fields)."""
+  from configs import diloco_lm  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import registry  # pylint: disable=g-import-not-at-top
+  from loc_opt import outer as outer_lib  # pylint: disable=g-import-not-at-top
+  base = diloco_lm.get_config()
+  for method in ('diloco', 'eager_diloco', 'co2', 'noloco'):
+    c = _runs.outer_grid_point(base, method, 2, 0.45, 0.15, 20)
+    assert (c.outer.method, c.mesh.workers, c.mesh.data) == (method, 2, 4)
+    assert (c.outer.learning_rate, c.outer.momentum) == (0.45, 0.15)
+    assert c.outer.sync_every == 20
+  eager = _runs.outer_grid_point(base, 'eager_diloco', 4, 0.45, 0.15, 30)
+  assert eager.outer.eager_diloco.momentum is None
+  co2 = _runs.outer_grid_point(base, 'co2', 4, 0.45, 0.15, 30)
+  kwargs = registry.METHODS['co2'].library_kwargs(co2)[outer_lib.co2]
+  assert (kwargs['outer_lr'], kwargs['momentum']) == (0.45, 0.15)
+  noloco = _runs.outer_grid_point(base, 'noloco', 4, 0.45, 0.15, 30)
+  kwargs = registry.METHODS['noloco'].library_kwargs(noloco)[outer_lib.noloco]
+  assert kwargs['momentum'] == 0.15
+  assert base.outer.co2.momentum != 0.15  # the base is left alone
