@@ -18,14 +18,15 @@ shardings as its
 (params, gradients, inner and outer state) and its cross-worker
 collectives, bytes per device by kind.
 
-  python -m experiments.outer_state_memory --config=configs/diloco_lm.py \
-    --compile
+  python -m experiments.outer_state_memory --compile   # the docs' configs
   python -m experiments.outer_state_memory --config=configs/scale_lm.py:1b \
     --compile
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
-devices. With --workdir, also writes ``outer_state_memory.md`` and the
-results file ``outer_state_memory.json`` (rows, config, provenance).
+devices. Without --config it measures the configs of :data:`PRESETS` (the
+reference LM and ``scale_lm.py:1b``, the table of docs/sharding.md). With
+--workdir, also writes ``outer_state_memory.md`` and the results file
+``outer_state_memory.json`` (rows, configs, provenance).
 Reference: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models*, 2020.
 """
@@ -38,7 +39,8 @@ from ml_collections import config_flags
 
 from experiments import _runs
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.')
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Config file (default: the configs of PRESETS).')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 _WORKDIR = flags.DEFINE_string(
     'workdir', '', 'Also write the results file outer_state_memory.json here.')
@@ -110,9 +112,14 @@ def _compiled(config, layout, abstract, specs, mesh):
   return compiled.memory_analysis().argument_size_in_bytes, kinds
 
 
-def main(argv):
-  del argv
-  _runs.setup(_CPU_DEVICES.value)
+# The configs of docs/sharding.md's table, run when --config is not given:
+# (label, module under configs/, its argument).
+PRESETS = (('reference LM', 'diloco_lm', None),
+           ('`scale_lm.py:1b`', 'scale_lm', '1b'))
+
+
+def _measure(config, label: str) -> tuple[list[dict], int]:
+  """The rows of ``config`` (one per layout) and its parameter count."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from loc_opt import (
@@ -120,7 +127,6 @@ def main(argv):
     outer,  # pylint: disable=g-import-not-at-top
     parallel,  # pylint: disable=g-import-not-at-top
   )
-  config = _CONFIG.value
   m = config.mesh
   model = models.build_model(config.model)
   abstract = jax.eval_shape(model.init, jax.random.key(0))
@@ -136,33 +142,57 @@ def main(argv):
   divisors = jax.tree.map(divisor, specs, is_leaf=lambda x: isinstance(
       x, jax.P))
   mib = lambda b: f'{b / 2**20:,.1f}'
-  rows, lines = [], []
-  print(f'# {model.num_params / 1e6:,.1f}M parameters, mesh (w x d x f x t) '
-        f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}\n{HEADER}\n'
+  mesh_name = f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}'
+  print(f'# {label}: {model.num_params / 1e6:,.1f}M parameters, mesh '
+        f'(w x d x f x t) {mesh_name}\n{HEADER}\n'
         + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
+  rows = []
   for layout in ('replicated', 'sharded', 'offloaded'):
     kept = 'replicated' if layout == 'offloaded' else layout
     here = outer.outer_state_bytes(abstract, m.workers, layout=kept,
                                    divisors=divisors)
     unsplit = outer.outer_state_bytes(abstract, m.workers, layout=kept)
+    host = 0
     if layout == 'offloaded':  # On the host between syncs.
-      here = unsplit = 0
-    args, kinds = '-', '-'
+      here, host, unsplit = 0, here, 0
+    nbytes, kinds = None, None
     if _COMPILE.value:
       mesh = parallel.make_worker_mesh(m.workers, m.data, m.fsdp, m.tensor)
       nbytes, kinds = _compiled(config, layout, abstract, specs, mesh)
-      args = mib(nbytes)
-    lines.append(f'| {layout} | {mib(here)} | {mib(unsplit)} | {args} | '
-                 f'{kinds} |')
-    print(lines[-1], flush=True)
-    rows.append({'layout': layout, 'bytes_per_device': here,
-                 'bytes_undivided': unsplit, 'compiled_argument_mib': args,
+    print(f'| {layout} | {mib(here)} | {mib(unsplit)} | '
+          f'{"-" if nbytes is None else mib(nbytes)} | {kinds or "-"} |',
+          flush=True)
+    rows.append({'config': label, 'mesh': mesh_name,
+                 'num_params': model.num_params, 'layout': layout,
+                 'bytes_per_device': here, 'bytes_undivided': unsplit,
+                 'host_bytes_per_device': host,
+                 'compiled_argument_bytes': nbytes,
                  'cross_worker_kinds': kinds})
+  return rows, model.num_params
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  import importlib  # pylint: disable=g-import-not-at-top
+  if _CONFIG.value is not None:
+    configs = [('config', _CONFIG.value)]
+  else:
+    configs = [(label, importlib.import_module(f'configs.{module}')
+                .get_config(*(() if arg is None else (arg,))))
+               for label, module, arg in PRESETS]
+  rows = []
+  for label, config in configs:
+    rows += _measure(config, label)[0]
   if _WORKDIR.value:
+    from experiments import tables  # pylint: disable=g-import-not-at-top
+    results = {'compiled': _COMPILE.value, 'rows': rows}
     _runs.write(_WORKDIR.value, 'outer_state_memory',
-                '\n'.join(lines) + '\n', rows,
-                num_params=model.num_params,
-                config=json.loads(json.dumps(config.to_dict(), default=str)))
+                tables.render('outer_state_memory', 'main',
+                              {'results': results}), results,
+                configs={label: json.loads(json.dumps(c.to_dict(),
+                                                      default=str))
+                         for label, c in configs})
 
 
 if __name__ == '__main__':

@@ -61,6 +61,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     'spikes': Benchmark('spikes'),
     'inner_under_diloco': Benchmark('inner_under_diloco'),
     'muloco': Benchmark('muloco'),
+    # Compile only (docs/sharding.md): the ~8B unrolled inner step's compile
+    # takes minutes and about 5 GiB of host memory.
+    'outer_state_memory': Benchmark('outer_state_memory', ('--compile',),
+                                    'docs/sharding.md'),
+    'scale_1b': Benchmark('scale_check', ('--table=scale_1b',),
+                          'docs/sharding.md'),
+    'scale_8b': Benchmark('scale_check', ('--table=scale_8b',),
+                          'docs/sharding.md'),
     'hierarchical': Benchmark(
         'hierarchical', ('--runs=flat_h30,flat_h60,hier_30_60,'
                          'hier_30_60_int8_stat2',), 'docs/hierarchical.md'),

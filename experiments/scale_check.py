@@ -9,10 +9,13 @@ against the fp32 parameter bytes (DiLoCo's sync), and compile time.
 
   python -m experiments.scale_check --config=configs/scale_lm.py:1b \
     [--config.mesh.fsdp=2 --config.mesh.tensor=2] [--workdir=DIR]
+  python -m experiments.scale_check --table=scale_1b --workdir=DIR
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
-devices. With --workdir, writes ``scale_check.md`` and the results file
-``scale_check.json`` (rows, config, provenance) there.
+devices. ``--table=scale_1b`` / ``scale_8b`` measures the rows of
+docs/sharding.md's tables instead (:data:`PRESETS`). With --workdir, writes
+``NAME.md`` and the results file ``NAME.json`` (rows, configs, provenance)
+there, NAME the table or ``scale_check``.
 """
 
 import json
@@ -86,30 +89,78 @@ def _markdown(row: dict) -> str:
           f"| {row['compile_seconds']:.1f} |")
 
 
-def main(argv):
-  del argv
-  _runs.setup(_CPU_DEVICES.value)
+# The tables of docs/sharding.md (--table=NAME, no --config): per table,
+# rows of (code label, scale_lm.py size, config overrides, compile the sync
+# step too).
+_SCAN_REMAT = {'model.scan_layers': True, 'model.remat': 'full'}
+_TENSOR = {'mesh.fsdp': 2, 'mesh.tensor': 2}
+PRESETS = {
+    'scale_1b': (
+        ('unrolled', '1b', {}, True),
+        ('unrolled', '1b', _TENSOR, False),
+        ('scan + remat `full`', '1b', _SCAN_REMAT, True),
+        ('scan, no remat', '1b', {'model.scan_layers': True}, False),
+    ),
+    'scale_8b': (
+        ('scan + remat `full`', '8b', _SCAN_REMAT, True),
+        ('scan + remat `full`', '8b', {**_SCAN_REMAT, **_TENSOR}, False),
+        ('unrolled, no remat', '8b', {}, False),
+    ),
+}
+_TABLE = flags.DEFINE_enum(
+    'table', None, list(PRESETS),
+    'Measure the rows of this docs table (PRESETS) instead of --config, '
+    'into the results file NAME.json.')
+
+
+def _measure(config, sync: bool, code: str) -> list[dict]:
+  """The inner (and first sync) step's rows of ``config``."""
   from loc_opt.train import experiment  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import programs  # pylint: disable=g-import-not-at-top
-  config = _CONFIG.value
-  # Compile each phase on first use here, so that each is timed alone.
-  programs.EAGER_COMPILE_PHASES = 0
   exp = experiment.build_experiment(config)
   phases = [(exp.plan.inner, 'inner')]
   syncs = [p for p in exp.plan.phases(config.num_steps) if exp.plan.is_sync(p)]
-  if _SYNC.value and syncs:
+  if sync and syncs:
     phases.append((syncs[0], 'sync'))
-  print(f"# {config.model.d_model} wide, {config.model.num_layers} layers, "
-        f"{math.prod(config.mesh.values())} devices\n{HEADER}\n"
+  print(f"# {code}: {config.model.d_model} wide, {config.model.num_layers} "
+        f"layers, {math.prod(config.mesh.values())} devices\n{HEADER}\n"
         + '|---' * (HEADER.count('|') - 1) + '|', flush=True)
   rows = []
   for phase, label in phases:
-    rows.append(_row(config, exp, phase, label))
+    rows.append({'code': code, **_row(config, exp, phase, label)})
     print(_markdown(rows[-1]), flush=True)
+  return rows
+
+
+def main(argv):
+  del argv
+  if _TABLE.value and _CONFIG.value is not None:
+    raise app.UsageError('--table measures its own configs; drop --config')
+  if not _TABLE.value and _CONFIG.value is None:
+    raise app.UsageError(f'give --config or --table (one of {list(PRESETS)})')
+  _runs.setup(_CPU_DEVICES.value)
+  from configs import scale_lm  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import programs  # pylint: disable=g-import-not-at-top
+  # Compile each phase on first use here, so that each is timed alone.
+  programs.EAGER_COMPILE_PHASES = 0
+  if _TABLE.value:
+    variants = [(code, cfg_lib.with_overrides(scale_lm.get_config(size),
+                                              overrides), sync)
+                for code, size, overrides, sync in PRESETS[_TABLE.value]]
+  else:
+    variants = [('config', _CONFIG.value, _SYNC.value)]
+  rows = []
+  for code, config, sync in variants:
+    rows += _measure(config, sync, code)
   if _WORKDIR.value:
-    _runs.write(_WORKDIR.value, 'scale_check',
-                '\n'.join(_markdown(r) for r in rows) + '\n', rows,
-                config=json.loads(json.dumps(config.to_dict(), default=str)))
+    from experiments import tables  # pylint: disable=g-import-not-at-top
+    name = _TABLE.value or 'scale_check'
+    results = {'rows': rows}
+    _runs.write(_WORKDIR.value, name,
+                tables.render('scale_check', 'main', {'results': results}),
+                results, configs=[
+                    json.loads(json.dumps(c.to_dict(), default=str))
+                    for _, c, _ in variants])
 
 
 if __name__ == '__main__':

@@ -26,6 +26,7 @@ import textwrap
 from typing import Any, Callable
 
 from experiments import _claims
+from experiments import _sharding_tables
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
@@ -366,6 +367,11 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
     ('goodput', 'main'): goodput_main,
+    ('scale_check', 'main'): _sharding_tables.scale_check_main,
+    ('scale_1b', 'main'): _sharding_tables.scale_check_main,
+    ('scale_8b', 'main'): _sharding_tables.scale_check_main,
+    ('outer_state_memory', 'main'):
+        _sharding_tables.outer_state_memory_main,
 }
 
 # results name -> (figure renderer, path under docs/).

@@ -1,0 +1,71 @@
+"""Renderers of docs/sharding.md's compile-only tables.
+
+``experiments.scale_check`` (the ~1B and ~8B configs of
+``configs/scale_lm.py``: memory and bytes of the compiled inner and sync
+steps) and ``experiments.outer_state_memory`` (DiLoCo's outer state per
+layout) write the results files; ``experiments.tables`` renders them with
+these.
+"""
+
+from typing import Any
+
+
+def _mib(n: float) -> str:
+  return f'{n / 2**20:,.0f}'
+
+
+def _ratio(a: float, b: float) -> str:
+  return f'{a / b:.2f}x' if b else '-'
+
+
+def scale_check_main(data: dict[str, Any]) -> str:
+  """One row per compiled step: memory per device, within-worker bytes
+  against ideal FSDP + Megatron, cross-worker bytes against the fp32
+  parameters, compile time."""
+  rows = data['results']['rows']
+  params = sorted({r['params'] for r in rows})
+  lines = [
+      f'{", ".join(f"{p / 1e6:,.1f}M" for p in params)} parameters; '
+      'compile only; compile seconds on a 2-core machine shared with other '
+      'jobs (rough).', '',
+      '| code | mesh (w x d x f x t) | step | arg MiB/dev | temp MiB/dev '
+      '| within-worker MiB | vs ideal | cross-worker MiB/worker '
+      '| vs fp32 params | compile s |',
+      '|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    within, cross = (r['within_worker_bytes'],
+                     r['cross_worker_bytes_per_worker'])
+    lines.append(
+        f"| {r.get('code', '-')} | {r['mesh']} | {r['step']} "
+        f"| {_mib(r['argument_bytes'])} | {_mib(r['temp_bytes'])} "
+        f"| {_mib(within)} | {_ratio(within, r['ideal_within_worker_bytes'])} "
+        f"| {_mib(cross)} | {_ratio(cross, r['param_bytes'])} "
+        f"| {r['compile_seconds']:.1f} |")
+  return '\n'.join(lines) + '\n'
+
+
+def _kinds(kinds: dict[str, int] | None) -> str:
+  if not kinds:
+    return '-'
+  return ' + '.join(f'{k} {v:,}' for k, v in kinds.items())
+
+
+def outer_state_memory_main(data: dict[str, Any]) -> str:
+  """One row per config and layout: the outer state's bytes per device (from
+  shapes), the compiled sync step's argument bytes and its cross-worker
+  collectives."""
+  res = data['results']
+  lines = ['| config | mesh (w x d x f x t) | layout | outer state MiB/dev '
+           '| compiled args MiB/dev | sync collectives, bytes/dev |',
+           '|---|---|---|---|---|---|']
+  for r in res['rows']:
+    mib = lambda b: f'{b / 2**20:,.1f}'
+    here = mib(r['bytes_per_device'])
+    if r['host_bytes_per_device']:
+      here += f' ({mib(r["host_bytes_per_device"])} on the host)'
+    args = r['compiled_argument_bytes']
+    lines.append(
+        f"| {r['config']}, {r['num_params'] / 1e6:,.1f}M params | {r['mesh']} "
+        f"| {r['layout']} | {here} | {'-' if args is None else mib(args)} "
+        f"| {_kinds(r['cross_worker_kinds'])} |")
+  return '\n'.join(lines) + '\n'
