@@ -69,6 +69,13 @@ BENCHMARKS: dict[str, Benchmark] = {
                           'docs/sharding.md'),
     'scale_8b': Benchmark('scale_check', ('--table=scale_8b',),
                           'docs/sharding.md'),
+    # Small models, seconds each: the bytes of DiLoCo's sync under each
+    # aggregate and one adversarial worker; hierarchical DiLoCo's compiled
+    # bytes per group codec and per phase.
+    'robust_aggregation': Benchmark('robust_aggregation', (),
+                                    'docs/robust_aggregation.md'),
+    'hierarchical_bytes': Benchmark('hierarchical_bytes', (),
+                                    'docs/hierarchical.md'),
     'hierarchical': Benchmark(
         'hierarchical', ('--runs=flat_h30,flat_h60,hier_30_60,'
                          'hier_30_60_int8_stat2',), 'docs/hierarchical.md'),

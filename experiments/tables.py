@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from experiments import _claims
 from experiments import _sharding_tables
+from experiments import _small_tables
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
@@ -372,6 +373,10 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('scale_8b', 'main'): _sharding_tables.scale_check_main,
     ('outer_state_memory', 'main'):
         _sharding_tables.outer_state_memory_main,
+    ('robust_aggregation', 'bytes'): _small_tables.robust_bytes,
+    ('robust_aggregation', 'adversary'): _small_tables.robust_adversary,
+    ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,
+    ('hierarchical_bytes', 'phases'): _small_tables.hierarchical_phases,
 }
 
 # results name -> (figure renderer, path under docs/).
