@@ -11,6 +11,7 @@ from loc_opt import outer
 from loc_opt import parallel
 from loc_opt import train
 from loc_opt.train import experiment
+from loc_opt.train import programs
 from tests.train import _helpers
 
 ideal = parallel.ideal
@@ -27,6 +28,13 @@ def _config(fsdp, tensor):
   return c
 
 
+@pytest.fixture
+def compile_on_use(monkeypatch):
+  """Experiments built here compile only the programs a test reads (not
+  every phase of the plan up front, the sync step included)."""
+  monkeypatch.setattr(programs, 'EAGER_COMPILE_PHASES', 0)
+
+
 def test_config_axis_rules_are_the_library_defaults():
   rules = diloco_lm.get_config().model.axis_rules.to_dict()
   # (ConfigDict sorts its keys; the order of rules does not matter.)
@@ -34,6 +42,7 @@ def test_config_axis_rules_are_the_library_defaults():
       dict(models.sharding.DEFAULT_RULES)
 
 
+@pytest.mark.usefixtures('compile_on_use')
 @pytest.mark.parametrize('fsdp, tensor', [(4, 1), (2, 2)])
 def test_inner_step_moves_about_ideal_fsdp_and_tensor_bytes(fsdp, tensor):
   """Batch split over fsdp inside a worker, parameters gathered: within 1.2x
@@ -88,6 +97,7 @@ def test_streaming_diloco_with_scanned_layers_trains(data_dir, tmp_path):
   assert summary['cross_worker_bytes'] / 2 == pytest.approx(want, rel=0.05)
 
 
+@pytest.mark.usefixtures('compile_on_use')
 def test_data_parallel_step_applies_the_activation_constraints():
   """Data parallel (no worker axis, plain jit) is traced with the mesh in
   context: its batch is split over workers x fsdp like a DiLoCo worker's,
@@ -112,6 +122,7 @@ def test_data_parallel_step_applies_the_activation_constraints():
                 if f'[{rows},{SEQ},' in c.shape]
 
 
+@pytest.mark.usefixtures('compile_on_use')
 def test_sync_step_keeps_the_model_data_parallel(data_dir):
   """The model's parameters and gradients are pinned to their specs inside
   the step: a step that also syncs moves, within a worker, the inner step's

@@ -16,17 +16,17 @@ from loc_opt import train
 from tests.train._helpers import tiny_config
 from tests.train.test_registry import CASES  # per-method fields
 
-# The suite runs two methods whose syncs differ in kind: an all-reduce of
-# the pseudo-gradient (DiLoCo) and collective-permutes between peers
-# (NoLoCo). The others run with LOC_OPT_ALL_METHODS=1 (about 5 more minutes
-# on 2 cores); every method of loc_opt.train.registry passed when the
-# option was added.
-SUITE = ['diloco', 'noloco']
-OTHERS = ['streaming_diloco', 'eager_diloco', 'co2', 'sparseloco', 'demo', 'desloc', 'mt_dao',
-          'local_sgd', 'async_local_sgd', 'edit_diloco',
-          'hierarchical_diloco', 'decoupled_diloco', 'data_parallel',
-          'compressed_data_parallel']
-
+# The suite runs DiLoCo (an all-reduce of the pseudo-gradient over the
+# stacked workers); the others, NoLoCo's collective-permutes between peers
+# among them, run with LOC_OPT_ALL_METHODS=1 (about 5 more minutes on 2
+# cores; each method is two trainer runs of programs no other test
+# compiles). Every method of loc_opt.train.registry passed when the option
+# was added.
+SUITE = ['diloco']
+OTHERS = ['noloco', 'streaming_diloco', 'eager_diloco', 'co2', 'sparseloco',
+          'demo', 'desloc', 'mt_dao', 'local_sgd', 'async_local_sgd',
+          'edit_diloco', 'hierarchical_diloco', 'decoupled_diloco',
+          'data_parallel', 'compressed_data_parallel']
 
 
 def _check(data_dir, tmp_path, method):
