@@ -11,8 +11,10 @@
 #
 # (SIZES="2M 8M" and STEPS=600 by default; smaller values make a smoke test.)
 # Runs already in PRIOR's files (default docs/results/claims_gpu/, the rows
-# of earlier sessions) are not trained again: their rows are imported, so a
-# later session goes on where the last stopped. GEMM autotuning is off
+# of earlier sessions) or in MERGED (docs/results/claims.json, every
+# finished row, the CPU's included) are not trained again: their rows are
+# imported, so a later session goes on where the last stopped and phase 2
+# picks each method's best setting from every row. GEMM autotuning is off
 # (XLA_FLAGS=--xla_gpu_autotune_level=0): with 8 processes on one GPU it
 # took a whole 5-minute call before the first step; the math is the same
 # float32, by other kernels.
@@ -67,12 +69,16 @@ for size in $sizes; do
     done
   done
 done
-done_before() {  # size method knob inner: its seed-0 run is in PRIOR?
+# Every finished row (this machine's and the CPU's): docs/results/claims.json.
+merged=${MERGED:-docs/results/claims.json}
+done_before() {  # size method knob inner: its seed-0 run is in PRIOR/MERGED?
   python3 -c "import json, sys; from experiments import _claims
-try:
-  rows = json.load(open('$prior/$1_$2.json'))['results']['rows']
-except OSError:
-  sys.exit(1)
+rows = []
+for path in ('$prior/$1_$2.json', '$merged'):
+  try:
+    rows += json.load(open(path))['results']['rows']
+  except OSError:
+    pass
 inner = None if '$4' in ('-', '3e-3') else float('$4')
 sys.exit(_claims.run_name('$1', '$2', float('$3'), 0, inner) not in
          {r['name'] for r in rows})"
@@ -91,12 +97,16 @@ wait
 echo "phase 1 done after $((SECONDS - start)) s"
 for size in $sizes; do
   for method in dp diloco_m1 diloco_m4; do
-    files=$(ls "$prior/${size}_${method}.json" \
+    files=$(ls "$prior/${size}_${method}.json" "$merged" \
       "$work"/${size}_${method}_*/claims.json 2>/dev/null | paste -sd,)
     [[ -n "$files" ]] || continue
+    # (M = 4's grid is phase 1's inner lrs: no new cells before its seeds.)
+    inners=()
+    [[ $method == diloco_m4 ]] && inners=(--diloco_inner_lrs=3e-3,6e-3)
     timeout $((budget - (SECONDS - start))) python3 -m experiments.claims \
       --workdir="$work/${size}_${method}" --sizes="$size" --methods="$method" \
-      --import_results="$files" --simulate_workers "${common[@]}" \
+      --import_results="$files" --simulate_workers "${inners[@]}" \
+      "${common[@]}" \
       >"$work/${size}_${method}.log" 2>&1 &
   done
 done
