@@ -76,6 +76,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                                     'docs/robust_aggregation.md'),
     'hierarchical_bytes': Benchmark('hierarchical_bytes', (),
                                     'docs/hierarchical.md'),
+    # The reference run's step-60 checkpoint on disk (a 60-step run,
+    # minutes): bytes per item and per part of the saved state.
+    'checkpoint_size': Benchmark('checkpoint_size', (), 'docs/resilience.md'),
     'hierarchical': Benchmark(
         'hierarchical', ('--runs=flat_h30,flat_h60,hier_30_60,'
                          'hier_30_60_int8_stat2',), 'docs/hierarchical.md'),

@@ -25,6 +25,7 @@ import sys
 import textwrap
 from typing import Any, Callable
 
+from experiments import _ckpt_tables
 from experiments import _claims
 from experiments import _sharding_tables
 from experiments import _small_tables
@@ -377,6 +378,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('robust_aggregation', 'adversary'): _small_tables.robust_adversary,
     ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,
     ('hierarchical_bytes', 'phases'): _small_tables.hierarchical_phases,
+    ('checkpoint_size', 'main'): _ckpt_tables.checkpoint_size_main,
 }
 
 # results name -> (figure renderer, path under docs/).
