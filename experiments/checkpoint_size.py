@@ -47,6 +47,7 @@ flags.mark_flag_as_required('workdir')
 
 CHECKPOINT_EVERY = 30
 
+
 def _bytes_under(path: pathlib.Path, dirs: bool = False) -> int:
   """The sum of the sizes of the files under ``path`` (or of ``path``, a
   file); with ``dirs``, of the directories' entries too, as ``du -sb``
