@@ -33,6 +33,25 @@ def variant(base: ml_collections.ConfigDict,
   return cfg_lib.with_overrides(base, overrides, sep='__')
 
 
+def step_report(tx, params, sync, mesh):
+  """Collectives (``loc_opt.parallel.collective_bytes``) of one compiled
+  step of transform ``tx`` with phase ``sync`` under the worker map on
+  ``mesh``; ``params`` stacked per worker, the gradients shaped like them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  state = jax.eval_shape(jax.vmap(tx.init), params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params, sync=sync)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
+      params, state, params).compile()
+  return parallel.collective_bytes(compiled, mesh)
+
+
 # Sections of the DiLoCo family whose outer step does not fall back to
 # outer.learning_rate / outer.momentum when cleared (a sweep writes its grid
 # point into them; outer.eager_diloco's are cleared, so it reads the shared).

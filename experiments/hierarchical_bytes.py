@@ -62,27 +62,8 @@ def _hier(g, **kwargs):
 
 def _stack(tree):
   """``tree`` broadcast to ``M`` identical workers (a leading axis)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (M,) + x.shape), tree)
-
-
-def _report(tx, params, sync, mesh):
-  """Collectives of one compiled step of ``tx`` with phase ``sync`` on
-  ``mesh`` (stacked ``params``; the gradients are shaped like them)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
-  state = jax.eval_shape(jax.vmap(tx.init), params)
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params, sync=sync)
-    return optax.apply_updates(params, updates), state
-
-  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, params).compile()
-  return parallel.collective_bytes(compiled, mesh)
+  return parallel.replicate(tree, M)
 
 
 def _row(report, g) -> dict:
@@ -116,7 +97,8 @@ def _codec_table(mesh) -> dict:
            'by_group_size': {}}
     for g in GROUP_SIZES:
       kwargs = {} if scheme is None else {'group_codec': scheme}
-      report = _report(_hier(g, **kwargs), _stack(params), 'group', mesh)
+      report = _runs.step_report(_hier(g, **kwargs), _stack(params),
+                                 'group', mesh)
       row['by_group_size'][str(g)] = _row(report, g)
       print(f'{label}, G = {g}: {row["by_group_size"][str(g)]["kinds"]}',
             flush=True)
@@ -145,12 +127,12 @@ def _phases_table(mesh) -> dict:
   names = {False: 'inner', 'group': "`'group'`", 'global': "`'global'`"}
   rows = []
   for phase in hierarchical.PHASES:
-    report = _report(_hier(g), params, phase, mesh)
+    report = _runs.step_report(_hier(g), params, phase, mesh)
     rows.append({'phase': names.get(phase, str(phase)), **_row(report, g)})
   flat = loc_opt.diloco(optax.adam(1e-2), sync_every=4,
                         reduce_fn=parallel.worker_mean())
   rows.append({'phase': 'flat DiLoCo sync',
-               **_row(_report(flat, params, True, mesh), g)})
+               **_row(_runs.step_report(flat, params, True, mesh), g)})
   for r in rows:
     print(f'{r["phase"]}: {r["kinds"]}, between groups '
           f'{r["cross_group_bytes"]:g}', flush=True)

@@ -59,9 +59,8 @@ SYNC_EVERY = 5
 
 def _stack(tree):
   """``tree`` broadcast to ``M`` identical workers (a leading axis)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (M,) + x.shape), tree)
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  return parallel.replicate(tree, M)
 
 
 def _tile_params():
@@ -74,21 +73,11 @@ def _tile_params():
 def _sync_report(params, mesh, **kwargs):
   """Collectives of DiLoCo's compiled sync step on ``mesh`` (stacked
   ``params``, gradients shaped like them)."""
-  import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
   import loc_opt  # pylint: disable=g-import-not-at-top
-  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
   tx = loc_opt.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
-  state = jax.eval_shape(jax.vmap(tx.init), params)
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params, sync=True)
-    return optax.apply_updates(params, updates), state
-
-  compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-      params, state, params).compile()
-  return parallel.collective_bytes(compiled, mesh)
+  return _runs.step_report(tx, params, True, mesh)
 
 
 def _bytes_table() -> dict:
