@@ -11,7 +11,9 @@ Trains the config's LM at equal tokens (same data, batch and steps) with
 reads each run's cross-worker bytes from its compiled programs, and writes a
 markdown table (``compression_tradeoff.md``), the results file
 (``compression_tradeoff.json``: summaries, configs, provenance) and a
-plot of loss against bytes (``loss_vs_bytes.png``) to --workdir.
+plot of loss against bytes (``loss_vs_bytes.png``) to --workdir; table and
+plot come from ``experiments._compress_tables``, which
+``experiments.tables`` renders the docs' copies with from the results file.
 
   python -m experiments.compression_tradeoff --workdir=/tmp/compression \
     [--runs=dp,dp_int8,...] [--config.num_steps=300]
@@ -23,6 +25,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import _compress_tables
 from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
@@ -65,29 +68,6 @@ RUNS = {
 }
 
 
-def _plot(rows, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for family, marker in (('data-parallel', 'o'), ('DiLoCo', 's')):
-    pts = [r for r in rows if r['family'] == family]
-    ax.scatter([r['cross_worker_bytes'] for r in pts],
-               [r['final_eval_loss'] for r in pts], marker=marker,
-               label=family)
-    for r in pts:
-      ax.annotate(r['label'].split(', ', 1)[-1],
-                  (r['cross_worker_bytes'], r['final_eval_loss']),
-                  textcoords='offset points', xytext=(4, 4), fontsize=8)
-  ax.set_xscale('log')
-  ax.set_xlabel('cross-worker bytes, whole run (all devices)')
-  ax.set_ylabel('final eval loss')
-  ax.grid(True, alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-
-
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -108,29 +88,12 @@ def main(argv):
     print(f'{label}: loss {s["final_eval_loss"]:.4f}, '
           f'{metrics.format_bytes(s["cross_worker_bytes"])}', flush=True)
 
-  c = _CONFIG.value
-  tokens = c.num_steps * c.batch_size * c.data.seq_len
-  fp32 = {r['family']: r['cross_worker_bytes'] for r in rows
-          if r['name'] in ('dp_none', 'diloco')}
-  lines = [
-      f'{c.num_steps} steps x {c.batch_size} x {c.data.seq_len} = '
-      f'{tokens:,} tokens; {c.mesh.workers} workers x '
-      f'{c.mesh.data * c.mesh.fsdp * c.mesh.tensor} devices; DiLoCo '
-      f'H = {c.outer.sync_every}', '',
-      '| run | final eval loss | cross-worker bytes | vs its fp32 reference |',
-      '|---|---|---|---|']
-  for r in rows:
-    ref = fp32.get(r['family'])
-    ratio = '-'
-    if ref:
-      factor = ref / r['cross_worker_bytes']
-      ratio = (f'{factor:.1f}x less' if factor >= 1 else
-               f'{1 / factor:.1f}x more')
-    lines.append(f'| {r["label"]} | {r["final_eval_loss"]:.4f} | '
-                 f'{r["cross_worker_bytes"]:,} | {ratio} |')
+  # What the results file will hold, as experiments.tables renders it.
+  data = {'results': rows, 'runs': _runs.RUNS}
   _runs.write(_WORKDIR.value, 'compression_tradeoff',
-              '\n'.join(lines) + '\n', rows)
-  _plot(rows, os.path.join(_WORKDIR.value, 'loss_vs_bytes.png'))
+              _compress_tables.compression_tradeoff_main(data), rows)
+  _compress_tables.compression_figure(
+      data, os.path.join(_WORKDIR.value, 'loss_vs_bytes.png'))
 
 
 if __name__ == '__main__':

@@ -37,6 +37,7 @@ from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import _fault_tables
 from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -105,32 +106,6 @@ def _at(curve: dict[int, float], clock, x: float, index: int) -> float:
   if x > xs[-1]:
     return float('nan')
   return float(np.interp(x, xs, [curve[s] for s in steps]))
-
-
-def _table(results, config) -> str:
-  base = results.get('k1_grace')
-  t_ref = base['seconds'] if base else None
-  tok_ref = base['tokens'] if base else None
-  down = '; '.join(f'learner {int(w)} down for steps {int(s)}-'
-                   f'{int(s + n) - 1}' for w, s, n in config.faults.failures)
-  lines = [
-      f'{config.mesh.workers} learners (speeds '
-      f'{tuple(config.wallclock.worker_speeds)}); {down or "no failure"}; '
-      f'H = {config.outer.sync_every}, {config.num_steps} program steps '
-      'each.', '',
-      '| run | merges | learners per merge | final eval loss | tokens (M) | '
-      'simulated s | loss at K=1+grace time | loss at its tokens |',
-      '|---|---:|---:|---:|---:|---:|---:|---:|']
-  for name, r in results.items():
-    at_t = (f'{r["loss_at_time"]:.4f}'
-            if t_ref and np.isfinite(r['loss_at_time']) else '-')
-    at_k = (f'{r["loss_at_tokens"]:.4f}'
-            if tok_ref and np.isfinite(r['loss_at_tokens']) else '-')
-    lines.append(
-        f'| {RUNS[name][0]} | {r["merges"]} | {r["per_merge"]} | '
-        f'{r["final_eval_loss"]:.4f} | {r["tokens"] / 1e6:.2f} | '
-        f'{r["seconds"]:.1f} | {at_t} | {at_k} |')
-  return '\n'.join(lines) + '\n'
 
 
 def _summarize(summary, config, clock) -> dict:
@@ -215,17 +190,15 @@ def main(argv):
       curve = {int(s): v for s, v in r['curve']['eval'].items()}
       r['loss_at_time'] = _at(curve, clocks[name], ref['seconds'], 1)
       r['loss_at_tokens'] = _at(curve, clocks[name], ref['tokens'], 0)
-  table = _table(results, config)
   merge_bytes = {}
   if config.outer.method == 'decoupled_diloco':
     merge_bytes = _merge_bytes(config)
-    table += ('\nBytes one learner sends (compiled HLO): ' + ', '.join(
-        f'{k} {v:,}' for k, v in merge_bytes.items()) + '.\n')
   if _FIGURE.value:
     _plot(results, _FIGURE.value)
-  _runs.write(_WORKDIR.value, 'decoupled', table,
-              {'config': config.to_dict(), 'runs': results,
-               'bytes_per_learner': merge_bytes})
+  numbers = {'config': config.to_dict(), 'runs': results,
+             'bytes_per_learner': merge_bytes}
+  _runs.write(_WORKDIR.value, 'decoupled', _fault_tables.decoupled_main(
+      {'runs': _runs.RUNS, 'results': numbers}), numbers)
 
 
 if __name__ == '__main__':

@@ -22,6 +22,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import _fault_tables
 from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
@@ -46,24 +47,6 @@ RUNS = {
 _FRAGMENTS = 2
 
 
-def _table(results, config, fraction) -> str:
-  lines = [
-      f'Worker dropout, {config.mesh.workers} workers, H = '
-      f'{config.outer.sync_every}, {config.num_steps} steps; a drawn worker '
-      f'misses {fraction:.0%} (rounded up) of the syncs.', '',
-      '| run | syncs | workers left out | final eval loss | vs. no dropout |',
-      '|---|---:|---:|---:|---:|']
-  for name, r in results.items():
-    base = results.get(name.removesuffix('_drop'))
-    change = ''
-    if name.endswith('_drop') and base is not None:
-      rel = r['final_eval_loss'] / base['final_eval_loss'] - 1
-      change = f'{100 * rel:+.2f}%'
-    lines.append(f'| {RUNS[name][0]} | {r["syncs"]} | {r["left_out"]} | '
-                 f'{r["final_eval_loss"]:.4f} | {change} |')
-  return '\n'.join(lines) + '\n'
-
-
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -81,10 +64,10 @@ def main(argv):
     results[name] = {k: summary[k] for k in (
         'final_eval_loss', 'final_train_loss', 'syncs', 'left_out',
         'cross_worker_bytes', 'curve')}
-  _runs.write(_WORKDIR.value, 'dropout',
-              _table(results, config, _FRACTION.value),
-              {'config': config.to_dict(), 'drop_fraction': _FRACTION.value,
-               'runs': results})
+  numbers = {'config': config.to_dict(), 'drop_fraction': _FRACTION.value,
+             'runs': results}
+  _runs.write(_WORKDIR.value, 'dropout', _fault_tables.dropout_main(
+      {'runs': _runs.RUNS, 'results': numbers}), numbers)
 
 
 if __name__ == '__main__':

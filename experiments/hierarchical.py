@@ -23,6 +23,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import _fault_tables
 from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
@@ -84,24 +85,6 @@ def _traffic(config) -> dict[str, float]:
           'seconds': clock.total_s, 'utilization': clock.utilization}
 
 
-def _table(results, config) -> str:
-  lines = [
-      f'{config.mesh.workers} workers in groups of {GROUP_SIZE}, '
-      f'{config.num_steps} steps; links {_FAST.value:g} Gbit/s inside a '
-      f'group, {_SLOW.value:g} Gbit/s between groups, '
-      f'{config.wallclock.step_time_s:g} s per step.', '',
-      '| run | final eval loss | MB/worker between groups | MB/worker '
-      'inside groups | simulated s | utilization |',
-      '|---|---:|---:|---:|---:|---:|']
-  for name, r in results.items():
-    lines.append(
-        f'| {RUNS[name][0]} | {r["final_eval_loss"]:.4f} | '
-        f'{r["between_groups_mb_per_worker"]:.2f} | '
-        f'{r["within_groups_mb_per_worker"]:.2f} | {r["seconds"]:.1f} | '
-        f'{r["utilization"]:.3f} |')
-  return '\n'.join(lines) + '\n'
-
-
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -120,10 +103,11 @@ def main(argv):
     results[name] = {k: summary[k] for k in (
         'final_eval_loss', 'final_train_loss', 'syncs', 'curve')}
     results[name].update(_traffic(run_config))
-  _runs.write(_WORKDIR.value, 'hierarchical', _table(results, config),
-              {'config': config.to_dict(), 'group_size': GROUP_SIZE,
-               'fast_gbps': _FAST.value, 'slow_gbps': _SLOW.value,
-               'runs': results})
+  numbers = {'config': config.to_dict(), 'group_size': GROUP_SIZE,
+             'fast_gbps': _FAST.value, 'slow_gbps': _SLOW.value,
+             'runs': results}
+  _runs.write(_WORKDIR.value, 'hierarchical', _fault_tables.hierarchical_main(
+      {'runs': _runs.RUNS, 'results': numbers}), numbers)
 
 
 if __name__ == '__main__':

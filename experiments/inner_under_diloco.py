@@ -13,12 +13,14 @@ Writes ``inner_under_diloco.md`` and ``.json`` to ``--workdir``.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import _train_tables
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', 'configs/inner_schedules_lm.py', 'Config file.')
@@ -49,8 +51,6 @@ SETTINGS = {
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
-  from loc_opt.train import metrics  # pylint: disable=g-import-not-at-top
-
   _runs.require_optimizers(_OPTIMIZERS.value)
   wd = _WORKDIR.value
   base = _runs.variant(_CONFIG.value, outer__method='diloco',
@@ -70,23 +70,8 @@ def main(argv):
         _runs.variant(_CONFIG.value, outer__method='data_parallel'),
         os.path.join(wd, 'data_parallel_adamw'), 'data-parallel adamw')
 
-  c = base
-  lines = [
-      f'{c.num_steps} steps x {c.batch_size} x {c.data.seq_len} bytes, '
-      f'{c.mesh.workers} workers x {c.mesh.data} devices, H = '
-      f'{_SYNC_EVERY.value}, outer Nesterov lr {c.outer.learning_rate} '
-      f'momentum {c.outer.momentum}; inner peak lr '
-      f'{c.optimizer.learning_rate:g} ({c.optimizer.schedule}), global-norm '
-      f'clip {c.optimizer.grad_clip_norm}.', '',
-      '| inner optimizer | final eval loss | cross-worker bytes | syncs | '
-      'train time (s) |', '|---|---|---|---|---|']
-  for name, r in runs.items():
-    lines.append(
-        f'| {name} | {r["final_eval_loss"]:.4f} | '
-        f'{metrics.format_bytes(r["cross_worker_bytes"])} | {r["syncs"]} | '
-        f'{r.get("train_seconds_this_run", float("nan")):.0f} |')
-  markdown = '\n'.join(lines) + '\n'
-  _runs.write(wd, 'inner_under_diloco', markdown, runs)
+  _runs.write(wd, 'inner_under_diloco', _train_tables.inner_under_diloco_main(
+      _train_tables.as_written(runs, _runs.RUNS, sys.argv)), runs)
 
 
 if __name__ == '__main__':

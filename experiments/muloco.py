@@ -33,6 +33,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import _compress_tables
 from experiments import _runs
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/muloco_lm.py',
@@ -117,22 +118,10 @@ def main(argv):
     summary = _runs.run(config, os.path.join(_WORKDIR.value, name), label)
     rows.append(_row(name, label, summary, config, num_params))
 
-  tokens = base.num_steps * base.batch_size * base.data.seq_len
-  lines = [
-      f'{tokens:,} tokens per run ({base.num_steps} steps x '
-      f'{base.batch_size} x {base.data.seq_len}); {base.mesh.workers} '
-      f'workers; H = {base.outer.sync_every}; model {num_params:,} params. '
-      'Bytes are cross-worker bytes read from the compiled programs; '
-      'per sync = per step for data parallelism.', '',
-      '| run | final eval loss | total cross-worker bytes | bytes / worker '
-      '/ sync | bits / param / sync |', '|---|---|---|---|---|']
-  for r in rows:
-    lines.append(
-        f'| {r["label"]} | {r["final_eval_loss"]:.4f} | '
-        f'{r["cross_worker_bytes"]:,} | '
-        f'{r["bytes_per_worker_per_sync"]:,.0f} | '
-        f'{r["bits_per_param_per_sync"]:.2f} |')
-  _runs.write(_WORKDIR.value, 'muloco', '\n'.join(lines) + '\n', rows)
+  # What the results file will hold, as experiments.tables renders it.
+  markdown = _compress_tables.muloco_main({'results': rows,
+                                           'runs': _runs.RUNS})
+  _runs.write(_WORKDIR.value, 'muloco', markdown, rows)
 
 
 if __name__ == '__main__':

@@ -57,8 +57,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     'compare_dp_diloco': Benchmark('compare_dp_diloco'),
     'compression_tradeoff': Benchmark('compression_tradeoff'),
     'benchmark_step_time': Benchmark('benchmark_step_time', ('--steps=60',)),
-    'schedules': Benchmark('schedules'),
-    'spikes': Benchmark('spikes'),
+    'schedules': Benchmark('schedules', (), 'docs/benchmarks.md',
+                           (('schedules.png', 'docs/figures/schedules.png'),)),
+    'spikes': Benchmark('spikes', (), 'docs/benchmarks.md',
+                        (('spikes.png', 'docs/figures/spikes.png'),)),
     'inner_under_diloco': Benchmark('inner_under_diloco'),
     'muloco': Benchmark('muloco'),
     # Compile only (docs/sharding.md): the ~8B unrolled inner step's compile

@@ -28,12 +28,14 @@ Writes ``schedules.md`` (tables), ``schedules.json`` and ``schedules.png``
 
 import math
 import os
+import sys
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import _train_tables
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', 'configs/inner_schedules_lm.py', 'Config file.')
@@ -140,39 +142,13 @@ def main(argv):
                         'end_value': 0.0})
 
   # Tables.
-  c = base
-  lines = [
-      f'{total} steps x {c.batch_size} x {c.data.seq_len} bytes, '
-      f'{c.outer.method}, {c.optimizer.name} peak {peak:g} (schedule-free: '
-      f'the same peak), warmup {warmup} steps, decays to 0.', '',
-      '| schedule | final eval loss |', '|---|---|']
-  for name in ['cosine', 'linear'] + [f'wsd {s}' for s in SHAPES] + [
-      'schedule-free adamw', 'constant (wsd main)']:
-    lines.append(f'| {name} | {runs[name]["final_eval_loss"]:.4f} |')
-  for shape, merged in wsm.items():
-    coeffs = ', '.join(f'{x:.3f}' for x in merged['coefficients'])
-    lines.append(f'| wsm {shape} (merge of steps {merged["steps"]}, '
-                 f'coefficients {coeffs}) | {merged["eval_loss"]:.4f} |')
-  lines += ['', f'Budgets {budgets}:', '',
-            '| method | ' + ' | '.join(f'loss at {b}' for b in budgets) +
-            ' | total steps spent |',
-            '|---|' + '---|' * (len(budgets) + 1)]
-  ev = wsds['curve']['eval']
-  lines.append('| wsd-s (one run) | ' + ' | '.join(
-      f'{ev[b]:.4f}' for b in budgets) + f' | {total} |')
+  results = {'runs': runs, 'wsm': wsm, 'branches': branches,
+             'budgets': budgets, 'starts': starts}
+  data = _train_tables.as_written(results, _runs.RUNS, sys.argv)
+  markdown = (_train_tables.schedules_main(data) + '\n'
+              + _train_tables.schedules_budgets(data))
+  _runs.write(wd, 'schedules', markdown, results)
   spent = max(starts) + sum(b - s for b, s in zip(budgets, starts))
-  lines.append('| wsd, decays branched off the constant run | ' + ' | '.join(
-      f'{branches[b]["final_eval_loss"]:.4f}' for b in budgets) +
-               f' | {spent} ({max(starts)} main + '
-               f'{"+".join(str(b - s) for b, s in zip(budgets, starts))} '
-               'branch) |')
-  lines.append('| cosine, one run per budget | ' + ' | '.join(
-      f'{cosines[b]["final_eval_loss"]:.4f}' for b in budgets) +
-               f' | {sum(budgets)} |')
-  markdown = '\n'.join(lines) + '\n'
-  _runs.write(wd, 'schedules', markdown, {
-      'runs': runs, 'wsm': wsm, 'branches': branches, 'budgets': budgets,
-      'starts': starts})
   _plot(os.path.join(wd, 'schedules.png'), runs, wsm, total, budgets, wsds,
         branches, cosines, spent)
 

@@ -30,6 +30,7 @@ with the spikes marked) to ``--workdir``.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -37,6 +38,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from experiments import _runs
+from experiments import _train_tables
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', 'configs/inner_schedules_lm.py', 'Config file.')
@@ -47,7 +49,7 @@ _OPTIMIZERS = flags.DEFINE_list('optimizers', ['adamw', 'spam', 'stable_spam'],
 _NUM_SPIKES = flags.DEFINE_integer('num_spikes', 3, 'Spikes per run.')
 _SCALE = flags.DEFINE_float('spike_scale', 1000.0, 'Gradient multiplier.')
 _SEED = flags.DEFINE_integer('spike_seed', 0, 'Seed of the spiked steps.')
-_TOLERANCE = flags.DEFINE_float('tolerance', 0.02,
+_TOLERANCE = flags.DEFINE_float('tolerance', _train_tables.SPIKE_TOLERANCE,
                                 'Recovery band around the pre-spike loss.')
 
 # Per optimizer: config -> its arguments besides the learning-rate schedule.
@@ -124,35 +126,17 @@ def main(argv):
                       optimizer__spike_seed=_SEED.value),
         os.path.join(wd, name), name)
 
-  c = base
-  lines = [
-      f'{total} steps x {c.batch_size} x {c.data.seq_len} bytes, '
-      f'{c.outer.method}, peak lr {c.optimizer.learning_rate:g} '
-      f'({c.optimizer.schedule}), no gradient clipping; '
-      f'{_SCALE.value:g}x gradient on updates {spikes} (seed {_SEED.value}). '
-      f'Steps to recover: updates until the forward 5-step mean train loss '
-      f'is within {_TOLERANCE.value:.0%} of the 10-step pre-spike mean.', '',
-      '| optimizer | final eval loss | ' + ' | '.join(
-          f'steps to recover, spike at {k}: to pre-spike / to no-spike run'
-          for k in spikes) + ' |',
-      '|---|---|' + '---|' * len(spikes)]
   reference = runs[f'{first} (no spikes)']['curve']['train']
   for name, r in runs.items():
-    if 'no spikes' in name:
-      cells = ['-'] * len(spikes)
-    else:
+    if 'no spikes' not in name:
       r['recovery'] = recovery(r['curve']['train'], spikes, total,
                                _TOLERANCE.value)
       r['recovery_vs_reference'] = recovery(
           r['curve']['train'], spikes, total, _TOLERANCE.value, reference)
-      cells = [f'{a} / {b}' for a, b in zip(r['recovery'],
-                                            r['recovery_vs_reference'])]
-    lines.append(f'| {name} | {r["final_eval_loss"]:.4f} | ' +
-                 ' | '.join(cells) + ' |')
-  markdown = '\n'.join(lines) + '\n'
-  _runs.write(wd, 'spikes', markdown, {
-      'spikes': spikes, 'runs': runs,
-      'kwargs': {n: _kwargs(n, base) for n in _OPTIMIZERS.value}})
+  results = {'spikes': spikes, 'runs': runs,
+             'kwargs': {n: _kwargs(n, base) for n in _OPTIMIZERS.value}}
+  _runs.write(wd, 'spikes', _train_tables.spikes_main(
+      _train_tables.as_written(results, _runs.RUNS, sys.argv)), results)
   _plot(os.path.join(wd, 'spikes.png'), runs, spikes)
 
 

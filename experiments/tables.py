@@ -27,8 +27,11 @@ from typing import Any, Callable
 
 from experiments import _ckpt_tables
 from experiments import _claims
+from experiments import _compress_tables
+from experiments import _fault_tables
 from experiments import _sharding_tables
 from experiments import _small_tables
+from experiments import _train_tables
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
@@ -379,6 +382,16 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,
     ('hierarchical_bytes', 'phases'): _small_tables.hierarchical_phases,
     ('checkpoint_size', 'main'): _ckpt_tables.checkpoint_size_main,
+    ('dropout', 'main'): _fault_tables.dropout_main,
+    ('hierarchical', 'main'): _fault_tables.hierarchical_main,
+    ('decoupled', 'main'): _fault_tables.decoupled_main,
+    ('compression_tradeoff', 'main'):
+        _compress_tables.compression_tradeoff_main,
+    ('muloco', 'main'): _compress_tables.muloco_main,
+    ('spikes', 'main'): _train_tables.spikes_main,
+    ('schedules', 'main'): _train_tables.schedules_main,
+    ('schedules', 'budgets'): _train_tables.schedules_budgets,
+    ('inner_under_diloco', 'main'): _train_tables.inner_under_diloco_main,
 }
 
 # results name -> (figure renderer, path under docs/).
@@ -386,6 +399,8 @@ FIGURES: dict[str, tuple[Callable[..., None], str]] = {
     'diloco_family': (diloco_family_figure, 'figures/diloco_family.png'),
     'claims': (_claims.claims_figure, 'figures/claims.png'),
     'claims_long': (_claims.claims_figure, 'figures/claims_long.png'),
+    'compression_tradeoff': (_compress_tables.compression_figure,
+                             'figures/compression_loss_vs_bytes.png'),
 }
 # Figures drawn from what has finished while runs are still pending (the
 # table under them lists what is left).
@@ -506,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
       if not (RESULTS / f'{name}.json').exists():
         continue
       data = load(name)
-      if (data['results'].get('pending')  # Kept until every run is in.
-          and name not in DRAW_WHILE_PENDING):
+      res = data['results']  # A dict, or a list of rows (compression).
+      pending = isinstance(res, dict) and res.get('pending')
+      if pending and name not in DRAW_WHILE_PENDING:  # Kept until all in.
         print(f'{rel}: not redrawn, runs pending')
         continue
       draw(data, DOCS / rel)
