@@ -1,7 +1,7 @@
 """Renderers of the tables of docs/faults.md (worker dropout),
 docs/hierarchical.md and docs/benchmarks.md (hierarchical against flat
 DiLoCo) and docs/decoupled_diloco.md (Decoupled DiLoCo under stragglers
-and a failure).
+and a failure), and of its figure docs/figures/decoupled.png.
 
 ``experiments.dropout``, ``experiments.hierarchical`` and
 ``experiments.decoupled`` print their tables with these and write the
@@ -110,3 +110,38 @@ def decoupled_main(data: dict[str, Any]) -> str:
     lines += ['', 'Bytes one learner sends (compiled HLO): ' + ', '.join(
         f'{k} {v:,}' for k, v in res['bytes_per_learner'].items()) + '.']
   return '\n'.join(lines) + '\n'
+
+
+def decoupled_figure(data: dict[str, Any], path: str | pathlib.Path,
+                     top: float = 2.6) -> None:
+  """Eval loss against tokens processed (left) and simulated seconds
+  (right) of each run's ``points``; the synchronous runs dashed.
+
+  The y-axis ends at ``top`` (cutting off the first evaluations of the
+  reference LM), or higher where the second half of a run's curve lies
+  above it, so that every run's later curve shows."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  later = []
+  for name, label, r in _rows(data):
+    pts = [tuple(map(float, p)) for p in r['points']]
+    if not pts:
+      continue
+    later += [p[3] for p in pts[(len(pts) - 1) // 2:]]
+    style = '--' if name in ('data_parallel', 'streaming') else '-'
+    for ax, col, scale in ((axes[0], 1, 1e6), (axes[1], 2, 1)):
+      ax.plot([p[col] / scale for p in pts], [p[3] for p in pts], style,
+              label=label)
+  axes[0].set_xlabel('tokens processed (M)')
+  axes[1].set_xlabel('simulated seconds')
+  axes[0].set_ylabel('eval loss')
+  if later and max(later) > top:
+    low = min(later)
+    top = max(later) + 0.05 * max(max(later) - low, 0.1)
+  axes[0].set_ylim(top=top)
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -130,27 +130,6 @@ def _points(summary, clock) -> list[tuple[int, int, float, float]]:
   return [(int(t), *clock(int(t)), float(curve[t])) for t in sorted(curve)]
 
 
-def _plot(results, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-  for name, r in results.items():
-    pts = np.asarray(r['points'], float)
-    style = '--' if name in ('data_parallel', 'streaming') else '-'
-    for ax, col in zip(axes, (1, 2)):
-      ax.plot(pts[:, col] / (1e6 if col == 1 else 1), pts[:, 3], style,
-              label=RUNS[name][0])
-  axes[0].set_xlabel('tokens processed (M)')
-  axes[1].set_xlabel('simulated seconds')
-  axes[0].set_ylabel('eval loss')
-  axes[0].set_ylim(top=2.6)
-  axes[1].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f'wrote {path}')
-
-
 def _merge_bytes(config) -> dict[str, int]:
   """Bytes one learner sends per merge of each fragment, read from the
   compiled merge programs (``phase -> bytes`` of the run's experiment)."""
@@ -193,12 +172,15 @@ def main(argv):
   merge_bytes = {}
   if config.outer.method == 'decoupled_diloco':
     merge_bytes = _merge_bytes(config)
-  if _FIGURE.value:
-    _plot(results, _FIGURE.value)
   numbers = {'config': config.to_dict(), 'runs': results,
              'bytes_per_learner': merge_bytes}
-  _runs.write(_WORKDIR.value, 'decoupled', _fault_tables.decoupled_main(
-      {'runs': _runs.RUNS, 'results': numbers}), numbers)
+  # What the results file will hold, as experiments.tables renders it.
+  data = {'runs': _runs.RUNS, 'results': numbers}
+  _runs.write(_WORKDIR.value, 'decoupled', _fault_tables.decoupled_main(data),
+              numbers)
+  if _FIGURE.value:
+    _fault_tables.decoupled_figure(data, _FIGURE.value)
+    print(f'wrote {_FIGURE.value}')
 
 
 if __name__ == '__main__':
