@@ -55,8 +55,6 @@ HAND_WRITTEN = {
      '(switch) |'): REFERENCE,
     ('decoupled_diloco.md', '| parameter | value | how it was set |'):
         REFERENCE,
-    ('faults.md', '| run | syncs | workers left out | final eval loss | vs. '
-     'no dropout |'): NOT_REGENERATED,
     ('claims.md', '| # | claim | paper | command | status | evidence and '
      'why |'): STATUS,
     ('multihost.md', '| flag | behaviour |'): REFERENCE,
