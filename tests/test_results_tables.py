@@ -42,12 +42,6 @@ HAND_WRITTEN = {
      'total steps spent |'): NOT_REGENERATED,
     ('benchmarks.md', '| run | final eval loss | total cross-worker bytes | '
      'bytes / worker / sync | bits / param / sync |'): NOT_REGENERATED,
-    ('benchmarks.md', '| run | final eval loss | MB/worker between groups | '
-     'MB/worker inside groups | simulated s | utilization |'):
-        NOT_REGENERATED,
-    ('hierarchical.md', '| run | final eval loss | MB/worker between groups '
-     '| MB/worker inside groups | simulated s | utilization |'):
-        NOT_REGENERATED,
     ('decoupled_diloco.md', '| run | merges | learners per merge | final '
      'eval loss | tokens (M) | simulated s | loss at K=1+grace time | loss '
      'at its tokens |'): NOT_REGENERATED,
@@ -74,14 +68,14 @@ HAND_WRITTEN = {
      'eval loss | tokens (M) | simulated s | loss at K=1+grace time | loss '
      'at its tokens |'): RAW_OUTPUT,
     ('results/dropout.md', '| run | syncs | workers left out | final eval '
-     'loss | vs. no dropout |'): RAW_OUTPUT,
+     'loss | vs. no dropout |'): PRINTED,
     ('results/goodput.md', '| policy | 150k | 300k | 600k | 1.2M | 2.4M |'):
         PRINTED,
     ('results/goodput.md', '| M | N | N/M | ours: Decoupled | ours: elastic '
      'DP at N/M | paper: Decoupled | paper: elastic DP at N/M |'): PRINTED,
     ('results/hierarchical.md', '| run | final eval loss | MB/worker between '
      'groups | MB/worker inside groups | simulated s | utilization |'):
-        RAW_OUTPUT,
+        PRINTED,
     ('results/muloco.md', '| run | final eval loss | total cross-worker '
      'bytes | bytes / worker / sync | bits / param / sync |'): RAW_OUTPUT,
 }
