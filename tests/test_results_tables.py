@@ -42,9 +42,6 @@ HAND_WRITTEN = {
      'total steps spent |'): NOT_REGENERATED,
     ('benchmarks.md', '| run | final eval loss | total cross-worker bytes | '
      'bytes / worker / sync | bits / param / sync |'): NOT_REGENERATED,
-    ('decoupled_diloco.md', '| run | merges | learners per merge | final '
-     'eval loss | tokens (M) | simulated s | loss at K=1+grace time | loss '
-     'at its tokens |'): NOT_REGENERATED,
     ('decoupled_diloco.md', '| question | our default | the other reading '
      '(switch) |'): REFERENCE,
     ('decoupled_diloco.md', '| parameter | value | how it was set |'):
@@ -66,7 +63,7 @@ HAND_WRITTEN = {
      'feeds |'): REFERENCE,
     ('results/decoupled.md', '| run | merges | learners per merge | final '
      'eval loss | tokens (M) | simulated s | loss at K=1+grace time | loss '
-     'at its tokens |'): RAW_OUTPUT,
+     'at its tokens |'): PRINTED,
     ('results/dropout.md', '| run | syncs | workers left out | final eval '
      'loss | vs. no dropout |'): PRINTED,
     ('results/goodput.md', '| policy | 150k | 300k | 600k | 1.2M | 2.4M |'):
