@@ -34,12 +34,6 @@ PRINTED = ('printed by the benchmark in the same run that wrote the results '
 # (page under docs/, header row) -> why the table is typed by hand. Every
 # table with that header on that page is covered.
 HAND_WRITTEN = {
-    ('benchmarks.md', '| run | final eval loss | cross-worker bytes | vs its '
-     'fp32 reference |'): NOT_REGENERATED,
-    ('benchmarks.md', '| schedule (300 steps) | final eval loss |'):
-        NOT_REGENERATED,
-    ('benchmarks.md', '| method | loss at 100 | loss at 200 | loss at 300 | '
-     'total steps spent |'): NOT_REGENERATED,
     ('benchmarks.md', '| run | final eval loss | total cross-worker bytes | '
      'bytes / worker / sync | bits / param / sync |'): NOT_REGENERATED,
     ('decoupled_diloco.md', '| question | our default | the other reading '
