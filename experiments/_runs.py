@@ -215,3 +215,26 @@ def chosen(names, known, flag: str = '--runs') -> list[str]:
                          f'{list(known)}')
   return names
 
+
+def state_shardings(params, opt, specs, mesh):
+  """Shardings of the stacked params and DiLoCo state: each leaf like its
+  parameter inside a worker, the sharded layout's rows/M shards too (the
+  layout of ``experiments.outer_state_memory`` and
+  ``experiments.sharded_sync_bytes``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.outer import _sharded  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import state as state_lib  # pylint: disable=g-import-not-at-top
+  shard = state_lib.state_shardings(
+      {'params': params, 'opt_state': opt}, specs, mesh, True)
+  rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[0], *_sharded.shard_shape(x.shape[1:], x.shape[0])),
+      x.dtype), params)
+  by_rows = state_lib.state_shardings(
+      {'params': rows, 'opt_state': opt}, specs, mesh, True)['opt_state']
+  worker_only = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+  shard['opt_state'] = jax.tree.map(
+      lambda full, row: row if full == worker_only else full,
+      shard['opt_state'], by_rows)
+  return shard['params'], shard['opt_state']

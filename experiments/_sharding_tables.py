@@ -2,9 +2,10 @@
 
 ``experiments.scale_check`` (the ~1B and ~8B configs of
 ``configs/scale_lm.py``: memory and bytes of the compiled inner and sync
-steps) and ``experiments.outer_state_memory`` (DiLoCo's outer state per
-layout) write the results files; ``experiments.tables`` renders them with
-these.
+steps), ``experiments.outer_state_memory`` (DiLoCo's outer state per
+layout) and ``experiments.sharded_sync_bytes`` (the sync's bytes,
+replicated against sharded outer state) write the results files;
+``experiments.tables`` renders them with these.
 """
 
 from typing import Any
@@ -68,4 +69,30 @@ def outer_state_memory_main(data: dict[str, Any]) -> str:
         f"| {r['config']}, {r['num_params'] / 1e6:,.1f}M params | {r['mesh']} "
         f"| {r['layout']} | {here} | {'-' if args is None else mib(args)} "
         f"| {_kinds(r['cross_worker_kinds'])} |")
+  return '\n'.join(lines) + '\n'
+
+
+def sharded_sync_bytes_main(data: dict[str, Any]) -> str:
+  """One row per program and mesh: the sync step's cross-worker bytes with
+  the outer state replicated and sharded per block (the trainer's rows as
+  totals over all devices, the transform alone's per device by kind)."""
+  lines = ['| program | mesh (w x d x f x t) | replicated sync '
+           '| sharded sync, per block |', '|---|---|---|---|']
+  named = set()
+  for r in data['results']['rows']:
+    what = ('trainer' if r['program'] == 'trainer' else 'transform alone')
+    model = r['model']
+    if r['program'] == 'trainer' and r['program'] in named:
+      model = 'tiny LM'  # named in full on its first row
+    named.add(r['program'])
+    cells = []
+    for layout in ('replicated', 'sharded'):
+      s = r[layout]
+      if r['program'] == 'trainer':
+        cells.append(f"{s['cross_worker_bytes']:,}")
+      else:  # largest first
+        kinds = sorted(s['kinds'].items(), key=lambda kv: -kv[1])
+        cells.append(' + '.join(f'{k} {v:,}' for k, v in kinds))
+    lines.append(f"| {what}, {model}, {r['unit']} | {r['mesh']} "
+                 f"| {cells[0]} | {cells[1]} |")
   return '\n'.join(lines) + '\n'

@@ -51,28 +51,6 @@ HEADER = ('| layout | outer state MiB/dev | MiB/dev if not split in worker '
           '| compiled args MiB/dev | sync collectives (bytes/dev) |')
 
 
-def _state_shardings(params, opt, specs, mesh):
-  """Shardings of the stacked params and DiLoCo state: each leaf like its
-  parameter inside a worker, the sharded layout's rows/M shards too."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
-  from loc_opt.outer import _sharded  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import state as state_lib  # pylint: disable=g-import-not-at-top
-  shard = state_lib.state_shardings(
-      {'params': params, 'opt_state': opt}, specs, mesh, True)
-  rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (x.shape[0], *_sharded.shard_shape(x.shape[1:], x.shape[0])),
-      x.dtype), params)
-  by_rows = state_lib.state_shardings(
-      {'params': rows, 'opt_state': opt}, specs, mesh, True)['opt_state']
-  worker_only = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
-  shard['opt_state'] = jax.tree.map(
-      lambda full, row: row if full == worker_only else full,
-      shard['opt_state'], by_rows)
-  return shard['params'], shard['opt_state']
-
-
 def _compiled(config, layout, abstract, specs, mesh):
   """(argument bytes per device, collectives by kind) of the sync step;
   layout ``'offloaded'``: the replicated layout with the anchor and outer
@@ -93,7 +71,7 @@ def _compiled(config, layout, abstract, specs, mesh):
       (config.mesh.workers, *x.shape), x.dtype), abstract)
   opt = jax.eval_shape(parallel.vmap_workers(lambda p: (tx.init(p),)),
                        params)[0]
-  p_shard, on_device = _state_shardings(params, opt, specs, mesh)
+  p_shard, on_device = _runs.state_shardings(params, opt, specs, mesh)
   at_rest = parallel.host_shardings(on_device, ('anchor', 'outer_state')
                                     ) if offload else on_device
 

@@ -67,6 +67,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     # takes minutes and about 5 GiB of host memory.
     'outer_state_memory': Benchmark('outer_state_memory', ('--compile',),
                                     'docs/sharding.md'),
+    # The sync's bytes, replicated against sharded outer state (the trainer's
+    # tiny LM and the ~1B transform alone; compile only, minutes).
+    'sharded_sync_bytes': Benchmark('sharded_sync_bytes', (),
+                                    'docs/sharding.md'),
     'scale_1b': Benchmark('scale_check', ('--table=scale_1b',),
                           'docs/sharding.md'),
     'scale_8b': Benchmark('scale_check', ('--table=scale_8b',),

@@ -377,6 +377,8 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('scale_8b', 'main'): _sharding_tables.scale_check_main,
     ('outer_state_memory', 'main'):
         _sharding_tables.outer_state_memory_main,
+    ('sharded_sync_bytes', 'main'):
+        _sharding_tables.sharded_sync_bytes_main,
     ('robust_aggregation', 'bytes'): _small_tables.robust_bytes,
     ('robust_aggregation', 'adversary'): _small_tables.robust_adversary,
     ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,

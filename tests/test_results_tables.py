@@ -23,9 +23,6 @@ REFERENCE = 'reference table of settings or formulas, not measurements'
 RAW_OUTPUT = ('raw output of an earlier run of the benchmark, kept next to '
               'its json; from an earlier state of the code, not regenerated '
               'yet')
-HLO_BY_HAND = ('bytes read from compiled programs by hand (issue 20); '
-               'tests/train/test_outer_layout.py asserts the relation '
-               '(sharded = replicated x (1 + 1/M)), no results file yet')
 STATUS = ('each claim\'s status, with figures quoted from the generated '
           'tables it links (claim 1\'s own are generated on the page)')
 PRINTED = ('printed by the benchmark in the same run that wrote the results '
@@ -51,8 +48,6 @@ HAND_WRITTEN = {
     ('sharding.md', '| field | values | effect |'): REFERENCE,
     ('sharding.md', '| value | per worker | where | sync program | '
      'checkpoint |'): REFERENCE,
-    ('sharding.md', '| program | mesh (w x d x f x t) | replicated sync | '
-     'sharded, gathered (before) | sharded, per block (now) |'): HLO_BY_HAND,
     ('overlap.md', '| method | one program over | the collective\'s result '
      'feeds |'): REFERENCE,
     ('results/decoupled.md', '| run | merges | learners per merge | final '
