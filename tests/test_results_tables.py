@@ -20,9 +20,6 @@ from experiments import tables
 NOT_REGENERATED = ('from an earlier state of the code, not regenerated yet '
                    '(issue 17: rerun with python -m experiments.regenerate)')
 REFERENCE = 'reference table of settings or formulas, not measurements'
-RAW_OUTPUT = ('raw output of an earlier run of the benchmark, kept next to '
-              'its json; from an earlier state of the code, not regenerated '
-              'yet')
 STATUS = ('each claim\'s status, with figures quoted from the generated '
           'tables it links (claim 1\'s own are generated on the page)')
 PRINTED = ('printed by the benchmark in the same run that wrote the results '
@@ -31,8 +28,6 @@ PRINTED = ('printed by the benchmark in the same run that wrote the results '
 # (page under docs/, header row) -> why the table is typed by hand. Every
 # table with that header on that page is covered.
 HAND_WRITTEN = {
-    ('benchmarks.md', '| run | final eval loss | total cross-worker bytes | '
-     'bytes / worker / sync | bits / param / sync |'): NOT_REGENERATED,
     ('decoupled_diloco.md', '| question | our default | the other reading '
      '(switch) |'): REFERENCE,
     ('decoupled_diloco.md', '| parameter | value | how it was set |'):
@@ -63,7 +58,7 @@ HAND_WRITTEN = {
      'groups | MB/worker inside groups | simulated s | utilization |'):
         PRINTED,
     ('results/muloco.md', '| run | final eval loss | total cross-worker '
-     'bytes | bytes / worker / sync | bits / param / sync |'): RAW_OUTPUT,
+     'bytes | bytes / worker / sync | bits / param / sync |'): PRINTED,
 }
 
 
