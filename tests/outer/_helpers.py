@@ -151,8 +151,10 @@ def worker_mesh():
 
 def phase_report(tx, params, sync, mesh):
   """Collectives of one compiled step of ``tx`` with phase ``sync`` on
-  ``mesh`` (stacked ``params``; the gradients are shaped like them)."""
-  state = jax.eval_shape(jax.vmap(tx.init), params)
+  ``mesh`` (stacked ``params``; the gradients are shaped like them). The
+  state is initialized under the named worker axis, as the sharded outer
+  state's ``init`` needs."""
+  state = jax.eval_shape(parallel.vmap_workers(tx.init), params)
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params, sync=sync)

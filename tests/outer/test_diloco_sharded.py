@@ -112,15 +112,7 @@ def test_sync_is_reduce_scatter_and_all_gather():
   def report(layout, sync):
     tx = loc_opt.diloco(optax.sgd(0.1), sync_every=2,
                         outer_state_layout=layout)
-    state = jax.eval_shape(parallel.vmap_workers(tx.init), params)
-
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params, sync=sync)
-      return optax.apply_updates(params, updates), state
-
-    compiled = jax.jit(parallel.shard_map_workers(step, mesh)).lower(
-        params, state, params).compile()
-    return parallel.collective_bytes(compiled, mesh)
+    return helpers.phase_report(tx, params, sync, mesh)
 
   sharded = report('sharded', True).by_kind(True)
   replicated = report('replicated', True).by_kind(True)
