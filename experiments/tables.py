@@ -523,11 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (draw, rel) in FIGURES.items():
       if not (RESULTS / f'{name}.json').exists():
         continue
-      try:
-        data = load(name)
-      except ValueError as e:  # From older code: its figure is kept.
-        print(f'{rel}: not redrawn, {e}')
-        continue
+      data = load(name)
       res = data['results']  # A dict, or a list of rows (compression).
       pending = isinstance(res, dict) and res.get('pending')
       if pending and name not in DRAW_WHILE_PENDING:  # Kept until all in.
