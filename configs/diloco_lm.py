@@ -97,6 +97,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.scan_layers = False
   # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch'.
   c.model.remat = 'none'
+  # Weight gradients of the dense layers: 'auto' (the narrow-transpose custom
+  # VJP on CPU, JAX's rule elsewhere), 'xla' or 'narrow'
+  # (loc_opt.models.weight_grad; same products, faster on XLA:CPU).
+  c.model.weight_grad = 'auto'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 
 from loc_opt.models import core
 from loc_opt.models import sharding
+from loc_opt.models import weight_grad as _weight_grad
 
 _init = nnx.initializers
 # Implementations of attention: the explicit einsum formula, or
@@ -118,6 +119,12 @@ class TransformerConfig:
     remat: what a block keeps for the backward pass (:data:`REMAT`):
       ``'none'``, ``'full'`` (recompute the block from its input),
       ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``).
+    weight_grad: how the dense layers' (and the embedding's) weight
+      gradients are computed (``loc_opt.models.weight_grad``): ``'xla'``
+      (JAX's transpose rule), ``'narrow'`` (a custom VJP that transposes
+      the narrower of input and upstream gradient: the same products, about
+      1.3x the training throughput of the reference LM on XLA:CPU), or
+      ``'auto'`` (default: ``'narrow'`` on CPU, ``'xla'`` elsewhere).
   """
 
   vocab_size: int = 256
@@ -132,6 +139,7 @@ class TransformerConfig:
   axis_rules: Any = None
   scan_layers: bool = False
   remat: str = 'none'
+  weight_grad: str = 'auto'
 
   def __post_init__(self):
     core.check_positive(
@@ -157,6 +165,7 @@ class TransformerConfig:
     if type(self.scan_layers) is not bool:
       raise ValueError(f'model.scan_layers must be a bool, got '
                        f'{self.scan_layers!r}')
+    _weight_grad.check(self.weight_grad)
     if self.attention not in ATTENTION:
       raise ValueError(f'model.attention must be one of {sorted(ATTENTION)}, '
                        f'got {self.attention!r}')
@@ -183,10 +192,12 @@ def _linear(
     init: jax.nn.initializers.Initializer,
     rngs: nnx.Rngs,
 ) -> nnx.Linear:
+  narrow = _weight_grad.resolve(config.weight_grad) == 'narrow'
   return nnx.Linear(
       in_features,
       out_features,
       use_bias=False,
+      dot_general=_weight_grad.dot_general if narrow else jax.lax.dot_general,
       dtype=config.dtype,
       param_dtype=config.param_dtype,
       kernel_init=nnx.with_partitioning(init, logical),
@@ -409,7 +420,9 @@ class Transformer(nnx.Module):
     config = self.config
     one_hot = jax.nn.one_hot(tokens, config.vocab_size, dtype=config.dtype)
     one_hot = config.constrain(one_hot, 'batch', 'length', 'vocab')
-    x = one_hot @ self.embed.embedding[...].astype(config.dtype)
+    x = _weight_grad.matmul(one_hot,
+                            self.embed.embedding[...].astype(config.dtype),
+                            config.weight_grad)
     return config.constrain(x, 'batch', 'length', 'embed')
 
   def __call__(self, tokens: jax.Array) -> jax.Array:

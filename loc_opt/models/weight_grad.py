@@ -1,0 +1,117 @@
+"""A dense matmul whose weight gradient transposes the narrower operand.
+
+For ``y = x @ w`` with ``x`` of shape ``[..., n_in]`` and ``w`` of shape
+``[n_in, n_out]``, the weight gradient ``dw = x^T g`` contracts over the
+tokens, the leading dimension of both ``x`` and ``g``. A row-major matmul
+kernel wants that dimension last in its left operand, so the compiler
+materializes a transpose of one of them. JAX's transpose rule for
+``dot_general`` computes ``(g^T x)^T``, so XLA:CPU transposes ``g``, and on
+the GELU side of an MLP it fuses that transpose into the elementwise
+derivative, where the strided write is slow: in the 853k-parameter reference
+LM at batch 32 x 128 the four ``[4096, 512]`` transposing fusions took 10 ms
+each, a sixth of the step (issue 20, ``docs/benchmarks.md``).
+
+:func:`dot_general` computes the same products, but its custom VJP picks the
+orientation: ``x^T g`` when ``n_in <= n_out`` (the transposed copy is of
+``x``), ``(g^T x)^T`` otherwise (of ``g``, transposing the small result
+back). Each product sums the same terms; on XLA:CPU the gradients of the
+reference LM are bit-identical to JAX's rule (``tests/models``).
+
+It is a drop-in ``dot_general`` for ``flax.nnx.Linear`` (its ``dot_general``
+argument) for the one contraction a dense layer does (the last axis of the
+input with the first of the kernel, no batch axes); any other contraction
+goes to ``jax.lax.dot_general`` unchanged.
+"""
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+# Model config values: 'auto' picks 'narrow' on CPU backends, 'xla' elsewhere.
+WEIGHT_GRAD = ('auto', 'xla', 'narrow')
+
+
+def check(weight_grad: str) -> None:
+  """Raises ``ValueError`` naming the field unless ``weight_grad`` is valid."""
+  if weight_grad not in WEIGHT_GRAD:
+    raise ValueError(f'model.weight_grad must be one of {list(WEIGHT_GRAD)}, '
+                     f'got {weight_grad!r}')
+
+
+def resolve(weight_grad: str) -> str:
+  """``'xla'`` or ``'narrow'`` for a config value of :data:`WEIGHT_GRAD`.
+
+  ``'auto'`` asks for the default backend, so call it after the backend's
+  configuration (e.g. ``jax_num_cpu_devices``) is set.
+  """
+  check(weight_grad)
+  if weight_grad == 'auto':
+    return 'narrow' if jax.default_backend() == 'cpu' else 'xla'
+  return weight_grad
+
+
+def _dense_dims(ndim: int) -> lax.DotDimensionNumbers:
+  return (((ndim - 1,), (0,)), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x, w, precision, preferred_element_type):
+  return lax.dot_general(x, w, _dense_dims(x.ndim), precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+def _dense_fwd(x, w, precision, preferred_element_type):
+  return _dense(x, w, precision, preferred_element_type), (x, w)
+
+
+def _dense_bwd(precision, preferred_element_type, residuals, g):
+  # Like JAX's rule: the forward's preferred_element_type, then a cast to
+  # each operand's dtype.
+  x, w = residuals
+  n_in, n_out = w.shape
+  # dx = g w^T, as JAX's rule computes it.
+  dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
+                       precision=precision,
+                       preferred_element_type=preferred_element_type)
+  x2 = x.reshape(-1, n_in)
+  g2 = g.reshape(-1, n_out)
+  if n_in <= n_out:  # x^T g: the copy the kernel needs is of x
+    dw = lax.dot_general(x2, g2, (((0,), (0,)), ((), ())),
+                         precision=precision,
+                         preferred_element_type=preferred_element_type)
+  else:  # (g^T x)^T: the copy is of g, the transpose of the result is small
+    dw = lax.dot_general(g2, x2, (((0,), (0,)), ((), ())),
+                         precision=precision,
+                         preferred_element_type=preferred_element_type).T
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None,
+                preferred_element_type=None, out_sharding=None):
+  """``jax.lax.dot_general`` with the narrow-transpose weight gradient.
+
+  Only the dense contraction (``lhs``'s last axis with the first of a 2-D
+  ``rhs``, no batch axes, no ``out_sharding``) takes the custom VJP; other
+  calls are ``jax.lax.dot_general`` itself.
+  """
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  dense = (rhs.ndim == 2 and tuple(lhs_contract) == (lhs.ndim - 1,)
+           and tuple(rhs_contract) == (0,) and not lhs_batch
+           and not rhs_batch and out_sharding is None)
+  if not dense:
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type,
+                           out_sharding=out_sharding)
+  return _dense(lhs, rhs, precision, preferred_element_type)
+
+
+def matmul(x: jax.Array, w: jax.Array, weight_grad: str) -> jax.Array:
+  """``x @ w`` for ``w`` 2-D, with the weight gradient :func:`resolve` picks."""
+  if resolve(weight_grad) == 'narrow':
+    return dot_general(x, w, _dense_dims(x.ndim))
+  return jnp.matmul(x, w)
