@@ -95,6 +95,8 @@ LEVERS = {
     'workers stacked on 2 devices (mesh.simulate_workers, data 2)': (
         '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=2',
              '--cpu_devices=2')),
+    "weight gradients by JAX's rule (model.weight_grad=xla)": (
+        '', ('--config.model.weight_grad=xla',)),
     'blocks under lax.scan': ('', ('--config.model.scan_layers=True',)),
     'jax.nn.dot_product_attention (xla)': (
         '', ('--config.model.attention=xla',)),
