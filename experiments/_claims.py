@@ -10,6 +10,7 @@ sync-count match, and the table renderers (registered in
 
 import json
 import os
+import re
 from typing import Any
 
 from experiments import _runs
@@ -256,18 +257,26 @@ def claims_figure(data: dict[str, Any], path) -> None:
 
 def _pending_summary(pending) -> str:
   """The runs not done yet, counted per size and method (the names are in
-  the results file); other entries (e.g. seeds still to run) as written."""
+  the results file): seed-0 runs as settings of the grid, the others as
+  seeds of the best setting; other entries as written."""
   counts: dict[tuple[str, str], int] = {}
+  seeds: dict[tuple[str, str], list[str]] = {}
   other = []
   for name in pending:
     size, rest = name.split('_', 1) if '_' in name else (name, '')
     method = next((m for m in METHODS if rest.startswith(m + '_')), None)
-    if size in SIZES and method is not None:
+    seed = re.search(r'_s(\d+)(?:_i|$)', rest)
+    if size in SIZES and method is not None and seed and seed.group(1) != '0':
+      seeds.setdefault((size, method), []).append(seed.group(1))
+    elif size in SIZES and method is not None:
       counts[size, method] = counts.get((size, method), 0) + 1
     else:
       other.append(name)
   parts = [f'{size} {METHODS[m][0]}: {n} setting{"s" * (n != 1)} of the '
            'grid' for (size, m), n in counts.items()]
+  parts += [f'{size} {METHODS[m][0]}: seed{"s" * (len(s) != 1)} '
+            f'{", ".join(s)} of the best setting'
+            for (size, m), s in seeds.items()]
   return '; '.join(parts + other)
 
 

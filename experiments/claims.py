@@ -225,26 +225,35 @@ def main(argv):
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
   todo = [j for size in _SIZES.value for m in methods for j in grid(size, m)]
   todo = [j for j in todo if _claims.run_name(*j) not in study.imported]
-  later = ([f'{size} seeds {seeds} of the best settings'
-            for size in _SIZES.value] if seeds else [])
+
+  def seed_runs():
+    """The extra seeds of each method's best setting so far, not done."""
+    jobs = []
+    for size in _SIZES.value:
+      for m in methods:
+        best = _claims.claims_best(study.rows, size, m)
+        if best is not None:
+          jobs += [(size, m, best[0], s, best[1]) for s in seeds]
+    done = {r['name'] for r in study.rows}
+    return [j for j in jobs if _claims.run_name(*j) not in done]
+
+  def pending(grid_left):
+    # Seeds of a best setting that the rest of the grid may still change
+    # are listed as they stand now.
+    return [_claims.run_name(*j) for j in grid_left + seed_runs()]
+
   if _MERGE_ONLY.value:
-    study.write([_claims.run_name(*j) for j in todo] + later)
+    study.write(pending(todo))
     return
   for i, job in enumerate(todo):
     study.run(*job)
-    study.write([_claims.run_name(*j) for j in todo[i + 1:]] + later)
-  extra = []
-  for size in _SIZES.value:
-    for m in methods:
-      best = _claims.claims_best(study.rows, size, m)
-      if best is not None:
-        extra += [(size, m, best[0], s, best[1]) for s in seeds]
-  extra = [j for j in extra if _claims.run_name(*j) not in study.imported]
+    study.write(pending(todo[i + 1:]))
+  extra = seed_runs()
   for i, job in enumerate(extra):
     study.run(*job)
-    study.write([_claims.run_name(*j) for j in extra[i + 1:]])
-  if not extra:  # nothing left: the last write listed the seeds as to do
-    study.write([])
+    study.write(pending([]))
+  if not extra:
+    study.write(pending([]))
 
 if __name__ == '__main__':
   app.run(main)

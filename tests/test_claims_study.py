@@ -152,11 +152,13 @@ def test_sweep_is_ordered_and_pending_runs_are_counted_per_method():
                    'outer lr 0.2, inner lr 0.006']
   pending = ['0.5M_dp_0.00075_s0', '2M_diloco_m4_0.2_s0',
              '2M_diloco_m4_0.4_s0_i0.006', '2M_diloco_m1_0.1_s0',
-             '8M seeds [1, 2] of the best settings']
+             '8M_diloco_m1_0.2_s1', '8M_diloco_m1_0.2_s2',
+             '8M_diloco_m4_0.4_s2_i0.006', 'something else']
   assert _claims._pending_summary(pending) == (
       '0.5M data-parallel: 1 setting of the grid; 2M DiLoCo M=4: 2 settings '
-      'of the grid; 2M DiLoCo M=1: 1 setting of the grid; 8M seeds [1, 2] '
-      'of the best settings')
+      'of the grid; 2M DiLoCo M=1: 1 setting of the grid; 8M DiLoCo M=1: '
+      'seeds 1, 2 of the best setting; 8M DiLoCo M=4: seed 2 of the best '
+      'setting; something else')
 
 
 def test_compute_line_sums_the_recorded_wall_time_per_device():
