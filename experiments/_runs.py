@@ -196,9 +196,13 @@ def require_optimizers(names) -> None:
 
 
 def setup(cpu_devices: int) -> None:
-  """Quiet logs and ``cpu_devices`` virtual CPU devices; call first in
-  ``main``, before anything touches a JAX backend."""
+  """Quiet logs, ``cpu_devices`` virtual CPU devices and freed host memory
+  kept for reuse (``loc_opt.parallel.host_memory``, ``'auto'``, as the
+  launcher's default); call first in ``main``, before anything touches a JAX
+  backend."""
   from absl import logging  # pylint: disable=g-import-not-at-top
+  from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.setup('auto')
   import jax  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   jax.config.update('jax_num_cpu_devices', cpu_devices)

@@ -298,10 +298,12 @@ def step_time_levers(data: dict[str, Any]) -> str:
            '', '| lever | XLA_FLAGS / arguments | tok/s | vs first row |',
            '|---|---|---:|---:|']
   for name, row in levers.items():
-    extra = [a for a in row['args'] if a.startswith('--cpu_devices')
-             or a.startswith('--config.mesh') or a.startswith(
-                 '--config.model.scan') or a.startswith(
-                     '--config.model.attention')]
+    # The lever's own arguments: devices, mesh and model fields other than
+    # the size (num_layers, d_model), which every row shares.
+    extra = [a for a in row['args'] if a.startswith(
+        ('--cpu_devices', '--config.mesh', '--config.model'))
+             and not a.startswith(('--config.model.num_layers',
+                                   '--config.model.d_model'))]
     how = ', '.join(f'`{x}`' for x in [row['xla_flags']] + extra if x)
     lines.append(f'| {name} | {how or "-"} | {row["tokens_per_s"]:,.0f} | '
                  f'{row["tokens_per_s"] / base:.2f} |')

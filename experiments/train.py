@@ -40,6 +40,12 @@ _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', 8,
     'Virtual devices to create when JAX runs on the CPU (ignored on GPU/TPU); '
     'per process.')
+_HOST_MEMORY = flags.DEFINE_enum(
+    'reuse_host_memory', 'auto', ['auto', 'on', 'off'],
+    'Keep freed host memory for reuse (glibc malloc: one arena, no mmap, no '
+    'trim; loc_opt.parallel.host_memory): XLA:CPU then stops mapping and '
+    'zero-filling each step\'s temporary buffer afresh. auto = on unless a '
+    'GPU/TPU plugin is installed.')
 _DISTRIBUTED = flags.DEFINE_enum(
     'distributed', 'auto', ['auto', 'on', 'off'],
     'Join a multi-process run with jax.distributed.initialize: auto = when '
@@ -93,6 +99,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Quiet JAX's backend probing.
+  from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.setup(_HOST_MEMORY.value)  # Before the backend's threads start.
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
   initialize_processes(jax)
