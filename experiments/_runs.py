@@ -202,7 +202,7 @@ def setup(cpu_devices: int) -> None:
   backend."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top
-  host_memory.setup('auto')
+  host_memory.setup('auto', cpu_devices)
   import jax  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   jax.config.update('jax_num_cpu_devices', cpu_devices)

@@ -85,6 +85,10 @@ THROUGHPUT_OVERRIDES = (
 # CPU levers tried at the 853k size: name -> (XLA_FLAGS, extra arguments).
 LEVERS = {
     'default (4 workers x 2 devices, 8 devices)': ('', ()),
+    'freed host memory not kept (reuse_host_memory=off)': (
+        '', ('--reuse_host_memory=off',)),
+    'one malloc arena at 8 devices (reuse_host_memory=one_arena)': (
+        '', ('--reuse_host_memory=one_arena',)),
     'mesh 4 x 1 (4 devices)': ('', ('--config.mesh.data=1',
                                     '--cpu_devices=4')),
     'mesh 4 x 4 (16 devices)': ('', ('--config.mesh.data=4',

@@ -298,10 +298,11 @@ def step_time_levers(data: dict[str, Any]) -> str:
            '', '| lever | XLA_FLAGS / arguments | tok/s | vs first row |',
            '|---|---|---:|---:|']
   for name, row in levers.items():
-    # The lever's own arguments: devices, mesh and model fields other than
-    # the size (num_layers, d_model), which every row shares.
+    # The lever's own arguments: devices, mesh, host memory and model fields
+    # other than the size (num_layers, d_model), which every row shares.
     extra = [a for a in row['args'] if a.startswith(
-        ('--cpu_devices', '--config.mesh', '--config.model'))
+        ('--cpu_devices', '--config.mesh', '--config.model',
+         '--reuse_host_memory'))
              and not a.startswith(('--config.model.num_layers',
                                    '--config.model.d_model'))]
     how = ', '.join(f'`{x}`' for x in [row['xla_flags']] + extra if x)

@@ -41,11 +41,13 @@ _CPU_DEVICES = flags.DEFINE_integer(
     'Virtual devices to create when JAX runs on the CPU (ignored on GPU/TPU); '
     'per process.')
 _HOST_MEMORY = flags.DEFINE_enum(
-    'reuse_host_memory', 'auto', ['auto', 'on', 'off'],
-    'Keep freed host memory for reuse (glibc malloc: one arena, no mmap, no '
-    'trim; loc_opt.parallel.host_memory): XLA:CPU then stops mapping and '
-    'zero-filling each step\'s temporary buffer afresh. auto = on unless a '
-    'GPU/TPU plugin is installed.')
+    'reuse_host_memory', 'auto', ['auto', 'heap', 'one_arena', 'off'],
+    'Keep freed host memory for reuse (glibc malloc: no mmap, no trim; '
+    'one_arena: every thread in the main arena; '
+    'loc_opt.parallel.host_memory), so that XLA:CPU stops mapping and '
+    'zero-filling each step\'s temporary buffer afresh. auto: off where a '
+    'GPU/TPU plugin is installed, else one_arena up to 4 CPU devices and '
+    'heap above.')
 _DISTRIBUTED = flags.DEFINE_enum(
     'distributed', 'auto', ['auto', 'on', 'off'],
     'Join a multi-process run with jax.distributed.initialize: auto = when '
@@ -100,7 +102,8 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Quiet JAX's backend probing.
   from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top
-  host_memory.setup(_HOST_MEMORY.value)  # Before the backend's threads start.
+  # Before the backend's threads start.
+  host_memory.setup(_HOST_MEMORY.value, _CPU_DEVICES.value)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
   initialize_processes(jax)
