@@ -102,7 +102,8 @@ BENCHMARKS: dict[str, Benchmark] = {
             f'docs/results/{n}.json' for n in (
                 'claims_gpu/2M_dp', 'claims_gpu/2M_diloco_m1',
                 'claims_gpu/8M_dp', 'claims_gpu/8M_diloco_m1',
-                'claims_cpu/8M_diloco_m4'))),
+                'claims_cpu/8M_diloco_m4', 'claims_cpu/8M_diloco_m1_seeds',
+                'claims_cpu/8M_diloco_m4_seeds'))),
                         'docs/claims.md'),
     # Data-parallel against M = 1 at 0.5M with 4x the tokens (2400 steps,
     # about 20 tokens per parameter, the paper's budget), each at its best
