@@ -109,3 +109,19 @@ def test_config_values():
   assert weight_grad.resolve('xla') == 'xla'
   with pytest.raises(ValueError, match='model.weight_grad'):
     models.TransformerConfig(weight_grad='fast')
+
+
+def test_mixed_precision_cotangents_take_the_operands_dtypes():
+  # bfloat16 operands with float32 accumulation (preferred_element_type):
+  # the cotangents come back in bfloat16, equal to JAX's rule's.
+  x = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(6), (16, 32)).astype(jnp.bfloat16)
+  dims = (((2,), (0,)), ((), ()))
+  ours = jax.grad(lambda x, w: weight_grad.dot_general(
+      x, w, dims, preferred_element_type=jnp.float32).sum(), (0, 1))(x, w)
+  ref = jax.grad(lambda x, w: lax.dot_general(
+      x, w, dims, preferred_element_type=jnp.float32).sum(), (0, 1))(x, w)
+  for a, b in zip(ours, ref):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(b, np.float32), rtol=1e-2)
