@@ -192,12 +192,11 @@ def _linear(
     init: jax.nn.initializers.Initializer,
     rngs: nnx.Rngs,
 ) -> nnx.Linear:
-  narrow = _weight_grad.resolve(config.weight_grad) == 'narrow'
   return nnx.Linear(
       in_features,
       out_features,
       use_bias=False,
-      dot_general=_weight_grad.dot_general if narrow else jax.lax.dot_general,
+      dot_general=_weight_grad.for_config(config.weight_grad),
       dtype=config.dtype,
       param_dtype=config.param_dtype,
       kernel_init=nnx.with_partitioning(init, logical),

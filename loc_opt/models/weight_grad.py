@@ -27,7 +27,6 @@ import functools
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 
 # Model config values: 'auto' picks 'narrow' on CPU backends, 'xla' elsewhere.
 WEIGHT_GRAD = ('auto', 'xla', 'narrow')
@@ -110,8 +109,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None,
   return _dense(lhs, rhs, precision, preferred_element_type)
 
 
+def for_config(weight_grad: str):
+  """The ``dot_general`` a config value of :data:`WEIGHT_GRAD` picks:
+  :func:`dot_general` or ``jax.lax.dot_general``."""
+  return dot_general if resolve(weight_grad) == 'narrow' else lax.dot_general
+
+
 def matmul(x: jax.Array, w: jax.Array, weight_grad: str) -> jax.Array:
   """``x @ w`` for ``w`` 2-D, with the weight gradient :func:`resolve` picks."""
-  if resolve(weight_grad) == 'narrow':
-    return dot_general(x, w, _dense_dims(x.ndim))
-  return jnp.matmul(x, w)
+  return for_config(weight_grad)(x, w, _dense_dims(x.ndim))
