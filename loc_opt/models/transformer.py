@@ -119,12 +119,16 @@ class TransformerConfig:
     remat: what a block keeps for the backward pass (:data:`REMAT`):
       ``'none'``, ``'full'`` (recompute the block from its input),
       ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``).
-    weight_grad: how the dense layers' (and the embedding's) weight
-      gradients are computed (``loc_opt.models.weight_grad``): ``'xla'``
-      (JAX's transpose rule), ``'narrow'`` (a custom VJP that transposes
-      the narrower of input and upstream gradient: the same products, about
-      1.3x the training throughput of the reference LM on XLA:CPU), or
-      ``'auto'`` (default: ``'narrow'`` on CPU, ``'xla'`` elsewhere).
+    weight_grad: how the gradients that contract over the tokens are
+      computed (``loc_opt.models.weight_grad``): those of the dense layers'
+      and the embedding's weights, and with ``attention='einsum'`` and
+      float32 operands those of the attention's keys and values.
+      ``'xla'``: JAX's transpose rules. ``'narrow'``: custom VJPs that
+      transpose the narrow operand and keep every matmul row-major (the
+      same products; the dense gradients bit-identical to JAX's rule on
+      XLA:CPU, the attention's equal to float32 rounding; about 1.5x the
+      training throughput of the reference LM on XLA:CPU). ``'auto'``
+      (default): ``'narrow'`` on CPU, ``'xla'`` elsewhere.
   """
 
   vocab_size: int = 256
@@ -232,12 +236,74 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str):
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+  """The explicit formula: ``(output [B, T, H, Dh], probs [B, H, T, T])``,
+  the probabilities in float32 before their cast to ``v``'s dtype."""
+  t, head_dim = q.shape[1], q.shape[-1]
+  scores = jnp.einsum(
+      'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
+  ) / math.sqrt(head_dim)
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum('bhqk,bkhd->bqhd', probs.astype(v.dtype), v), probs
+
+
+@jax.custom_vjp
+def _narrow_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+  """:func:`_einsum_attention`'s output (float32 operands), whose backward
+  contracts over the sequence with the narrow operands transposed.
+
+  The forward is the same computation. In the backward, JAX's rule computes
+  the key and value gradients as ``dS^T q`` and ``P^T do``, contractions
+  over the query axis, the leading axis of both operands; XLA:CPU runs the
+  first through Eigen with a strided packing of the ``[T, T]`` operand
+  (the slowest dots of the 853k LM's step). Here they are
+  ``(q^T dS)^T`` and ``(do^T P)^T``: the copies are of the ``[T, Dh]``
+  operands and the matmuls are row-major (``weight_grad.transposed`` and
+  ``transpose_of_product``). The products sum the same terms in another
+  order, so the gradients agree with JAX's rule to float32 rounding
+  (``tests/models``).
+  """
+  return _einsum_attention(q, k, v)[0]
+
+
+def _narrow_attention_fwd(q, k, v):
+  out, probs = _einsum_attention(q, k, v)
+  return out, (q, k, v, probs)
+
+
+def _narrow_attention_bwd(residuals, d_out):
+  q, k, v, probs = residuals
+  heads_major = lambda x: x.transpose(0, 2, 1, 3)  # [B, H, T, Dh]
+  qh, kh, vh, dh = (heads_major(x) for x in (q, k, v, d_out))
+  d_probs = jnp.einsum('bhqd,bhkd->bhqk', dh, vh)
+  # Softmax's backward; the masked entries have probability 0, so their
+  # gradient is 0 without the mask.
+  d_scores = probs * (d_probs - jnp.sum(d_probs * probs, axis=-1,
+                                        keepdims=True))
+  d_scores = d_scores / math.sqrt(q.shape[-1])
+  dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, kh)
+  t, t_of = _weight_grad.transposed, _weight_grad.transpose_of_product
+  dk = t_of(jnp.einsum('bhdq,bhqk->bhdk', t(qh), d_scores))
+  dv = t_of(jnp.einsum('bhdq,bhqk->bhdk', t(dh), probs))
+  return heads_major(dq), heads_major(dk), heads_major(dv)
+
+
+_narrow_attention.defvjp(_narrow_attention_fwd, _narrow_attention_bwd)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str,
+           weight_grad: str = 'xla'):
   """Causal attention of ``[B, T, H, Dh]`` queries, keys and values.
 
   ``'einsum'`` is the explicit formula: float32 scores
   ``q k^T / sqrt(Dh)``, causal mask, float32 softmax, probabilities cast to
-  ``v``'s dtype. The others call ``jax.nn.dot_product_attention``
+  ``v``'s dtype. With ``weight_grad='narrow'`` (the resolved value of
+  ``model.weight_grad``, see ``loc_opt.models.weight_grad``) and float32
+  operands its gradients are computed by :func:`_narrow_attention`'s
+  backward (same forward; gradients equal to JAX's rule's up to float32
+  rounding). The others call ``jax.nn.dot_product_attention``
   (``is_causal=True``), whose XLA path computes the same in the same
   precisions (it multiplies by ``1 / sqrt(Dh)`` instead of dividing, so the
   two differ in the last bits) and whose cuDNN path never stores the
@@ -246,14 +312,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str):
   if attention != 'einsum':
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation=ATTENTION[attention])
-  t, head_dim = q.shape[1], q.shape[-1]
-  scores = jnp.einsum(
-      'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
-  ) / math.sqrt(head_dim)
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+  if weight_grad == 'narrow' and all(x.dtype == jnp.float32
+                                     for x in (q, k, v)):
+    return _narrow_attention(q, k, v)
+  return _einsum_attention(q, k, v)[0]
 
 
 class Attention(nnx.Module):
@@ -282,7 +344,8 @@ class Attention(nnx.Module):
 
     q = apply_rope(heads(self.query(x)), sin, cos)
     k = apply_rope(heads(self.key(x)), sin, cos)
-    y = heads(attend(q, k, heads(self.value(x)), config.attention))
+    y = heads(attend(q, k, heads(self.value(x)), config.attention,
+                     _weight_grad.resolve(config.weight_grad)))
     return self.out(y.reshape(b, t, config.d_model))
 
 
@@ -436,7 +499,11 @@ class Transformer(nnx.Module):
       raise ValueError(
           f'sequence length {length} exceeds model.max_len ({config.max_len})'
       )
-    sin, cos = rope_tables(length, config.head_dim)
+    # Constants of the compiled program, not computed in it: XLA fuses
+    # sin and cos into each of their consumers, evaluating them once per
+    # element of q and k there (2% of the 853k LM's step on XLA:CPU).
+    with jax.ensure_compile_time_eval():
+      sin, cos = rope_tables(length, config.head_dim)
     x = self.embed_tokens(tokens)
     if config.scan_layers:
       x = _scan_blocks(self.layers, x, sin, cos, config.remat)

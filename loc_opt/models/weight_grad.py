@@ -14,8 +14,14 @@ each, a sixth of the step (issue 20, ``docs/benchmarks.md``).
 :func:`dot_general` computes the same products, but its custom VJP picks the
 orientation: ``x^T g`` when ``n_in <= n_out`` (the transposed copy is of
 ``x``), ``(g^T x)^T`` otherwise (of ``g``, transposing the small result
-back). Each product sums the same terms; on XLA:CPU the gradients of the
-reference LM are bit-identical to JAX's rule (``tests/models``).
+back). The copies are kept behind optimization barriers
+(:func:`transposed`, :func:`transpose_of_product`): otherwise XLA folds them
+back into the dot as a contraction over the leading axis of both operands,
+which XLA:CPU runs through Eigen with a slow strided packing. Each product
+sums the same terms; on XLA:CPU the dense layers' gradients of the
+reference LM are bit-identical to JAX's rule (``tests/models``). The
+Transformer's attention uses the same two helpers for its key and value
+gradients (``loc_opt.models.transformer.attend``).
 
 It is a drop-in ``dot_general`` for ``flax.nnx.Linear`` (its ``dot_general``
 argument) for the one contraction a dense layer does (the last axis of the
@@ -65,6 +71,30 @@ def _dense_fwd(x, w, precision, preferred_element_type):
   return _dense(x, w, precision, preferred_element_type), (x, w)
 
 
+def transposed(a: jax.Array) -> jax.Array:
+  """``a`` with its last two axes swapped, kept as an array of its own.
+
+  XLA folds a plain transpose into the dot that consumes it, which gives
+  back a contraction over the leading axis of both operands; XLA:CPU runs
+  that through Eigen, whose packing of the strided operand took a tenth of
+  the 853k LM's step (``gemm_pack_colmajor_block`` in ``perf``). Behind an
+  optimization barrier the copy is made once and the dot is a plain
+  row-major matmul (YNNPACK's kernel).
+  """
+  return lax.optimization_barrier(a.swapaxes(-1, -2))
+
+
+def transpose_of_product(product: jax.Array) -> jax.Array:
+  """``product`` with its last two axes swapped, the product computed as
+  written.
+
+  Without the barrier XLA folds the transpose into the dot that made
+  ``product`` by swapping its operands, which is again a contraction over
+  a leading axis (:func:`transposed`).
+  """
+  return lax.optimization_barrier(product).swapaxes(-1, -2)
+
+
 def _dense_bwd(precision, preferred_element_type, residuals, g):
   # Like JAX's rule: the forward's preferred_element_type, then a cast to
   # each operand's dtype.
@@ -76,14 +106,14 @@ def _dense_bwd(precision, preferred_element_type, residuals, g):
                        preferred_element_type=preferred_element_type)
   x2 = x.reshape(-1, n_in)
   g2 = g.reshape(-1, n_out)
+  matmul = functools.partial(lax.dot_general,
+                             dimension_numbers=(((1,), (0,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=preferred_element_type)
   if n_in <= n_out:  # x^T g: the copy the kernel needs is of x
-    dw = lax.dot_general(x2, g2, (((0,), (0,)), ((), ())),
-                         precision=precision,
-                         preferred_element_type=preferred_element_type)
+    dw = matmul(transposed(x2), g2)
   else:  # (g^T x)^T: the copy is of g, the transpose of the result is small
-    dw = lax.dot_general(g2, x2, (((0,), (0,)), ((), ())),
-                         precision=precision,
-                         preferred_element_type=preferred_element_type).T
+    dw = transpose_of_product(matmul(transposed(g2), x2))
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from loc_opt import models
+from loc_opt.models import transformer as tfm
 from loc_opt.models import weight_grad
 
 
@@ -25,17 +26,102 @@ def _grads(weight_grad_value, **fields):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize('fields', [
+_LAYOUTS = pytest.mark.parametrize('fields', [
     {}, {'remat': 'dots'}, {'scan_layers': True, 'remat': 'full'}],
     ids=['plain', 'remat_dots', 'scan_remat_full'])
-def test_transformer_gradients_bit_identical_to_jax_rule(fields):
+
+
+@_LAYOUTS
+def test_dense_gradients_bit_identical_to_jax_rule(fields):
+  # Attention through jax.nn.dot_product_attention (JAX's rule either way),
+  # so only the dense layers' and the embedding's gradients differ in how
+  # they are computed: not in a single bit.
+  loss_xla, g_xla = _grads('xla', attention='xla', **fields)
+  loss_narrow, g_narrow = _grads('narrow', attention='xla', **fields)
+  assert float(loss_xla) == float(loss_narrow)
+  assert jax.tree.structure(g_xla) == jax.tree.structure(g_narrow)
+  for a, b in zip(jax.tree.leaves(g_xla), jax.tree.leaves(g_narrow)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@_LAYOUTS
+def test_einsum_attention_gradients_match_jax_rule(fields):
+  # The narrow attention backward sums the same terms in another order:
+  # the loss is the same computation, the gradients agree to float32
+  # rounding.
   loss_xla, g_xla = _grads('xla', **fields)
   loss_narrow, g_narrow = _grads('narrow', **fields)
   assert float(loss_xla) == float(loss_narrow)
-  leaves_xla, leaves_narrow = jax.tree.leaves(g_xla), jax.tree.leaves(g_narrow)
   assert jax.tree.structure(g_xla) == jax.tree.structure(g_narrow)
-  for a, b in zip(leaves_xla, leaves_narrow):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(jax.tree.leaves(g_xla), jax.tree.leaves(g_narrow)):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(b, a, rtol=1e-5,
+                               atol=1e-6 * float(np.max(np.abs(a))))
+
+
+def _attention_inputs(dtype=jnp.float32, shape=(2, 16, 4, 8)):
+  keys = jax.random.split(jax.random.key(7), 4)
+  q, k, v, r = (jax.random.normal(key, shape).astype(dtype) for key in keys)
+  return q, k, v, r
+
+
+def _attention_grads(weight_grad_value, q, k, v, r):
+  def loss(q, k, v):
+    out = tfm.attend(q, k, v, 'einsum', weight_grad_value)
+    return jnp.sum(out.astype(jnp.float32) * r.astype(jnp.float32))
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+
+def test_narrow_attention_forward_identical_gradients_close():
+  inputs = _attention_inputs()
+  (loss_xla, g_xla) = _attention_grads('xla', *inputs)
+  (loss_narrow, g_narrow) = _attention_grads('narrow', *inputs)
+  assert float(loss_xla) == float(loss_narrow)
+  for a, b in zip(g_xla, g_narrow):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  # A wrong backward (keys and values swapped) is far off: the check bites.
+  assert not np.allclose(g_narrow[1], g_xla[2], rtol=1e-2)
+
+
+def test_narrow_attention_leaves_bfloat16_to_jax_rule():
+  inputs = _attention_inputs(jnp.bfloat16)
+  for a, b in zip(_attention_grads('xla', *inputs)[1],
+                  _attention_grads('narrow', *inputs)[1]):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+
+
+def _dots_contracting_a_leading_axis(compiled_text: str) -> list[str]:
+  """The dots of a compiled program whose left operand is not contracted
+  over its last axis (XLA:CPU hands those to Eigen, which packs the strided
+  operand)."""
+  ranks = {m.group(1): len(m.group(2).split(','))
+           for m in re.finditer(r'%(\S+) = \w+\[([\d,]+)\]', compiled_text)}
+  found = []
+  for m in re.finditer(r'%(\S+) = \S+ dot\(%(\S+), %\S+\), '
+                       r'lhs_batch_dims=\{[\d,]*\}, '
+                       r'lhs_contracting_dims=\{(\d+)\}', compiled_text):
+    if int(m.group(3)) != ranks[m.group(2)] - 1:
+      found.append(m.group(0))
+  return found
+
+
+def _attention_backward_text(weight_grad_value) -> str:
+  inputs = _attention_inputs(shape=(4, 128, 4, 32))
+
+  def loss(q, k, v, r):
+    return jnp.sum(tfm.attend(q, k, v, 'einsum', weight_grad_value) * r)
+
+  return jax.jit(jax.grad(loss, (0, 1, 2))).lower(*inputs).compile().as_text()
+
+
+def test_narrow_attention_contracts_last_axes_on_cpu():
+  # JAX's rule: dS^T q, a contraction over the query axis of dS.
+  assert _dots_contracting_a_leading_axis(_attention_backward_text('xla'))
+  assert not _dots_contracting_a_leading_axis(
+      _attention_backward_text('narrow'))
 
 
 def test_bfloat16_gradients_as_close_to_float32_as_jax_rule():
@@ -79,9 +165,9 @@ def test_other_contractions_are_lax_dot_general():
   assert 'custom_vjp' not in str(jax.make_jaxpr(f)(a, b))
 
 
-def _largest_transpose(weight_grad_value):
-  """Elements of the largest transposed array in the compiled MLP backward."""
-  x = jnp.ones((32, 128, 128))  # the 853k LM's MLP at batch 32 x 128
+def _mlp_backward_text(weight_grad_value) -> str:
+  """The compiled MLP backward of the 853k LM at batch 32 x 128."""
+  x = jnp.ones((32, 128, 128))
   w_up, w_down = jnp.ones((128, 512)), jnp.ones((512, 128))
 
   def loss(w_up, w_down, x):
@@ -89,9 +175,14 @@ def _largest_transpose(weight_grad_value):
     return jnp.sum(mm(jax.nn.gelu(mm(x, w_up), approximate=True), w_down))
 
   grad = jax.jit(jax.grad(loss, (0, 1)))
-  text = grad.lower(w_up, w_down, x).compile().as_text()
+  return grad.lower(w_up, w_down, x).compile().as_text()
+
+
+def _largest_transpose(compiled_text: str) -> int:
+  """Elements of the largest transposed array in a compiled program."""
   sizes = [int(np.prod([int(d) for d in m.group(1).split(',')]))
-           for m in re.finditer(r'= f32\[([\d,]+)\]\{[\d,]+\} transpose\(', text)]
+           for m in re.finditer(r'= f32\[([\d,]+)\]\{[\d,]+\} transpose\(',
+                                compiled_text)]
   return max(sizes, default=0)
 
 
@@ -99,9 +190,11 @@ def test_narrow_transposes_the_narrow_operand_on_cpu():
   # JAX's rule has XLA:CPU transpose the [4096, 512] GELU derivative for
   # the up projection's weight gradient; the narrow VJP transposes the
   # [4096, 128] input instead (and the [128, 512] result of the down
-  # projection's). At small sizes XLA:CPU contracts without transposing.
-  assert _largest_transpose('xla') == 4096 * 512
-  assert _largest_transpose('narrow') <= 4096 * 128
+  # projection's), and every weight gradient is a row-major matmul.
+  xla, narrow = _mlp_backward_text('xla'), _mlp_backward_text('narrow')
+  assert _largest_transpose(xla) == 4096 * 512
+  assert _largest_transpose(narrow) <= 4096 * 128
+  assert not _dots_contracting_a_leading_axis(narrow)
 
 
 def test_config_values():
