@@ -236,9 +236,15 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                      keep_probs: bool = False):
   """The explicit formula: ``(output [B, T, H, Dh], probs [B, H, T, T])``,
-  the probabilities in float32 before their cast to ``v``'s dtype."""
+  the probabilities in float32 before their cast to ``v``'s dtype.
+
+  ``keep_probs`` computes the probabilities into an array of their own
+  (an optimization barrier) instead of letting XLA fuse the softmax into
+  the matmuls that read them; the values are the same.
+  """
   t, head_dim = q.shape[1], q.shape[-1]
   scores = jnp.einsum(
       'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
@@ -246,6 +252,8 @@ def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array):
   causal = jnp.tril(jnp.ones((t, t), dtype=bool))
   scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
+  if keep_probs:
+    probs = jax.lax.optimization_barrier(probs)
   return jnp.einsum('bhqk,bkhd->bqhd', probs.astype(v.dtype), v), probs
 
 
@@ -254,7 +262,8 @@ def _narrow_attention(q: jax.Array, k: jax.Array, v: jax.Array):
   """:func:`_einsum_attention`'s output (float32 operands), whose backward
   contracts over the sequence with the narrow operands transposed.
 
-  The forward is the same computation. In the backward, JAX's rule computes
+  The forward is the same computation (the probabilities kept as an array:
+  ``keep_probs``). In the backward, JAX's rule computes
   the key and value gradients as ``dS^T q`` and ``P^T do``, contractions
   over the query axis, the leading axis of both operands; XLA:CPU runs the
   first through Eigen with a strided packing of the ``[T, T]`` operand
@@ -265,11 +274,11 @@ def _narrow_attention(q: jax.Array, k: jax.Array, v: jax.Array):
   order, so the gradients agree with JAX's rule to float32 rounding
   (``tests/models``).
   """
-  return _einsum_attention(q, k, v)[0]
+  return _einsum_attention(q, k, v, keep_probs=True)[0]
 
 
 def _narrow_attention_fwd(q, k, v):
-  out, probs = _einsum_attention(q, k, v)
+  out, probs = _einsum_attention(q, k, v, keep_probs=True)
   return out, (q, k, v, probs)
 
 
@@ -282,7 +291,10 @@ def _narrow_attention_bwd(residuals, d_out):
   # gradient is 0 without the mask.
   d_scores = probs * (d_probs - jnp.sum(d_probs * probs, axis=-1,
                                         keepdims=True))
-  d_scores = d_scores / math.sqrt(q.shape[-1])
+  # Kept as an array (like the probabilities in the forward): XLA:CPU
+  # otherwise recomputes the softmax backward inside each of the two
+  # matmuls that read it.
+  d_scores = jax.lax.optimization_barrier(d_scores / math.sqrt(q.shape[-1]))
   dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, kh)
   t, t_of = _weight_grad.transposed, _weight_grad.transpose_of_product
   dk = t_of(jnp.einsum('bhdq,bhqk->bhdk', t(qh), d_scores))
