@@ -97,8 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.scan_layers = False
   # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch'.
   c.model.remat = 'none'
-  # Weight gradients of the dense layers: 'auto' (the narrow-transpose custom
-  # VJP on CPU, JAX's rule elsewhere), 'xla' or 'narrow'
+  # Gradients that contract over the tokens (dense and embedding weights,
+  # float32 attention keys and values): 'auto' (the narrow-transpose custom
+  # VJPs on CPU, JAX's rules elsewhere), 'xla' or 'narrow'
   # (loc_opt.models.weight_grad; same products, faster on XLA:CPU).
   c.model.weight_grad = 'auto'
 

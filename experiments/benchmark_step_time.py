@@ -60,6 +60,9 @@ _THROUGHPUT_STEPS = flags.DEFINE_integer(
 _LEVERS = flags.DEFINE_list(
     'levers', None, 'Levers to measure at the 853k size (default: all of '
     'LEVERS; an empty value measures none).')
+_STACKED = flags.DEFINE_boolean(
+    'stacked', True, 'Also run each size with the 4 workers stacked on one '
+    'CPU device (STACKED_ARGS), right after exogym.')
 _EXOGYM_PYTHON = flags.DEFINE_string(
     'exogym_python', os.environ.get('EXOGYM_PYTHON', ''),
     'A Python with torch and exogym: also measure '
@@ -110,6 +113,10 @@ LEVERS = {
         '--xla_cpu_experimental_ynn_fusion_type=', ()),
 }
 LEVER_SIZE = '853k'
+# The sizes' second layout: the workers stacked on one CPU device
+# (mesh.simulate_workers), the fastest of the layouts in LEVERS here.
+STACKED_ARGS = ('--config.mesh.simulate_workers=True', '--config.mesh.data=1',
+                '--cpu_devices=1')
 EXOGYM_SCRIPT = (pathlib.Path(__file__).resolve().parent / 'reference'
                  / 'exogym_throughput.py')
 
@@ -168,8 +175,9 @@ def _exogym_tokens_per_s(python: str, label: str, steps: int) -> dict:
 
 
 def throughput(config_path: str, steps: int, workdir: pathlib.Path,
-               levers, exogym_python: str) -> dict:
-  """The throughput part: sizes (and exogym beside them), then levers."""
+               levers, exogym_python: str, stacked: bool = True) -> dict:
+  """The throughput part: sizes (the default layout, exogym, the stacked
+  layout, in that order), then levers."""
   if steps % 10 or steps < 30:
     raise ValueError(f'--throughput_steps must be a multiple of 10, >= 30, '
                      f'got {steps}')
@@ -184,10 +192,16 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
                                  (*base, *_size_args(label)), '')
     if exogym_python:
       row['exogym'] = _exogym_tokens_per_s(exogym_python, label, steps)
+    if stacked:
+      row['stacked'] = _launcher_tokens_per_s(
+          workdir / 'stacked' / label,
+          (*base, *_size_args(label), *STACKED_ARGS), '')
     sizes[label] = row
     print(f'{label}: loc_opt {row["tokens_per_s"]:,.0f} tok/s'
           + (f', exogym {row["exogym"]["tokens_per_s"]:,.0f} tok/s'
-             if exogym_python else ''), flush=True)
+             if exogym_python else '')
+          + (f', stacked on one device {row["stacked"]["tokens_per_s"]:,.0f}'
+             ' tok/s' if stacked else ''), flush=True)
   lever_rows = {}
   for i, name in enumerate(levers):
     xla_flags, extra = LEVERS[name]
@@ -257,7 +271,7 @@ def main(argv):
         config_flags.get_config_filename(flags.FLAGS['config']),
         _THROUGHPUT_STEPS.value,
         pathlib.Path(_WORKDIR.value or '/tmp/step_time') / 'throughput',
-        levers, _EXOGYM_PYTHON.value)
+        levers, _EXOGYM_PYTHON.value, _STACKED.value)
   markdown = tables.benchmark_step_time_all({'results': result})
   if _WORKDIR.value:
     _runs.write(_WORKDIR.value, 'benchmark_step_time', markdown, result)

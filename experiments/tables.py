@@ -269,20 +269,40 @@ def step_time_main(data: dict[str, Any]) -> str:
 
 
 def step_time_throughput(data: dict[str, Any]) -> str:
-  """Tokens/s through the launcher at issue 20's sizes (and exogym's)."""
+  """Tokens/s through the launcher at issue 20's sizes (and exogym's, and
+  with the workers stacked on one device where measured)."""
   r = data['results']['throughput']
   exo = all('exogym' in row for row in r['sizes'].values())
+  stacked = all('stacked' in row for row in r['sizes'].values())
   head = '| model | params | loc_opt tok/s |'
-  head += ' exogym tok/s (its params) | loc_opt / exogym |' if exo else ''
+  rule = '|---|---:|---:|'
+  if exo:
+    head += ' exogym tok/s (its params) | loc_opt / exogym |'
+    rule += '---:|---:|'
+  if stacked:
+    head += ' loc_opt stacked on 1 device tok/s |'
+    rule += '---:|'
+    if exo:
+      head += ' stacked / exogym |'
+      rule += '---:|'
   lines = [f'4 workers, H = {r["sync_every"]}, {r["steps"]} steps per run, '
-           'median of the 10-step windows after the first.', '', head,
-           '|---|---:|---:|' + ('---:|---:|' if exo else '')]
+           'median of the 10-step windows after the first; loc_opt at the '
+           'default layout (4 workers x 2 devices, 8 devices)'
+           + (', exogym, then loc_opt with the workers stacked on one '
+              'device, one after another' if stacked else '') + '.', '',
+           head, rule]
   for label, row in r['sizes'].items():
     cells = [label, f'{row["num_params"]:,}', f'{row["tokens_per_s"]:,.0f}']
     if exo:
       e = row['exogym']
       cells += [f'{e["tokens_per_s"]:,.0f} ({e["num_params"]:,})',
                 f'{row["tokens_per_s"] / e["tokens_per_s"]:.2f}']
+    if stacked:
+      cells.append(f'{row["stacked"]["tokens_per_s"]:,.0f}')
+      if exo:
+        ratio = (row['stacked']['tokens_per_s']
+                 / row['exogym']['tokens_per_s'])
+        cells.append(f'{ratio:.2f}')
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
 
