@@ -1,0 +1,152 @@
+r"""Step time of config variants, timed in alternating blocks in one process.
+
+On a machine whose speed drifts (this repository's 2-core VM drifts by
+10-20% over minutes), runs in separate processes minutes apart do not
+compare. This program compiles the launcher's inner step
+(``loc_opt.train`` programs, as ``experiments.train`` runs them) for each
+variant of one config, on the same devices, and times the variants in
+alternating blocks of ``--block`` steps, ``--rounds`` times, so that drift
+hits all of them alike. Each step is timed alone (``block_until_ready``);
+the figure is the median, and tokens/s counts ``batch_size * seq_len`` per
+step.
+
+A variant is ``NAME=FIELD=VALUE,FIELD=VALUE`` (dotted config fields; a
+value is read as a Python literal where it is one, else as a string), or
+``NAME=`` for the config as given. The first variant is the reference of
+the ratio column. E.g. the 853k LM's weight and attention gradients, the
+workers stacked on one CPU device::
+
+  python -m experiments.step_ab --config=configs/diloco_lm.py \
+    --config.model.num_layers=4 --config.mesh.simulate_workers=True \
+    --config.mesh.data=1 --cpu_devices=1 \
+    --variant='narrow=model.weight_grad=narrow' \
+    --variant='jax_rules=model.weight_grad=xla'
+
+XLA flags and device counts are process-wide: compare those with separate
+runs (``experiments.benchmark_step_time``'s levers) instead.
+"""
+
+import ast
+import json
+import statistics
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import _runs
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
+                                          'Config file.')
+_VARIANTS = flags.DEFINE_multi_string(
+    'variant', None, 'NAME=FIELD=VALUE,FIELD=VALUE (or NAME= for the config '
+    'as given); two or more.')
+_ROUNDS = flags.DEFINE_integer('rounds', 6, 'Rounds of alternating blocks.')
+_BLOCK = flags.DEFINE_integer('block', 5, 'Steps per block.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per variant.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_OUT = flags.DEFINE_string('out', '', 'Also write the results as JSON here.')
+
+
+def _value(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+  """``'name=a.b=1,c=x'`` -> ``('name', {'a.b': 1, 'c': 'x'})``."""
+  name, sep, rest = spec.partition('=')
+  if not sep or not name:
+    raise ValueError(f'--variant {spec!r}: expected NAME=FIELD=VALUE,... or '
+                     'NAME=')
+  overrides = {}
+  for item in filter(None, rest.split(',')):
+    field, sep, value = item.partition('=')
+    if not sep or not field:
+      raise ValueError(f'--variant {spec!r}: {item!r} is not FIELD=VALUE')
+    overrides[field] = _value(value)
+  return name, overrides
+
+
+def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
+                  block: int, warmup: int) -> dict[str, dict[str, Any]]:
+  """Median step time and tokens/s of each variant's compiled inner step,
+  timed in alternating blocks."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
+
+  runs = {}
+  for name, overrides in variants.items():
+    try:
+      c = cfg_lib.with_overrides(config, overrides)
+    except KeyError as e:
+      raise ValueError(f'variant {name!r}: {e.args[0]}') from e
+    exp = exp_lib.build_experiment(c)
+    data = exp_lib.load_data(c)
+    state = exp.init_state()
+    batch = exp_lib.train_batch(exp, data, 0)
+    step = exp.programs.steps[exp.plan.inner]
+    for _ in range(warmup):
+      state, loss = step(state, batch)
+    jax.block_until_ready(loss)
+    runs[name] = {'step': step, 'state': state, 'batch': batch, 'times': [],
+                  'tokens': c.batch_size * c.data.seq_len}
+  for _ in range(rounds):
+    for run in runs.values():
+      state = run['state']
+      for _ in range(block):
+        t = time.perf_counter()
+        state, loss = run['step'](state, run['batch'])
+        loss.block_until_ready()
+        run['times'].append(time.perf_counter() - t)
+      run['state'] = state
+  out = {}
+  for name, run in runs.items():
+    med = statistics.median(run['times'])
+    out[name] = {'overrides': variants[name], 'median_step_s': med,
+                 'tokens_per_s': run['tokens'] / med,
+                 'steps_timed': len(run['times'])}
+  return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+  """The results as a markdown table, ratios against the first variant."""
+  first = next(iter(results.values()))['median_step_s']
+  lines = ['| variant | overrides | median step | tok/s | speed vs first |',
+           '|---|---|---:|---:|---:|']
+  for name, r in results.items():
+    overrides = ', '.join(f'`{k}={v}`' for k, v in r['overrides'].items())
+    lines.append(f'| {name} | {overrides or "-"} | '
+                 f'{r["median_step_s"] * 1e3:.1f} ms | '
+                 f'{r["tokens_per_s"]:,.0f} | '
+                 f'{first / r["median_step_s"]:.3f} |')
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  specs = _VARIANTS.value or []
+  if len(specs) < 2:
+    raise app.UsageError('give two or more --variant')
+  for flag in ('rounds', 'block'):
+    if flags.FLAGS[flag].value < 1:
+      raise app.UsageError(f'--{flag} must be >= 1')
+  variants = dict(parse_variant(s) for s in specs)
+  if len(variants) != len(specs):
+    raise app.UsageError('variant names must differ')
+  _runs.setup(_CPU_DEVICES.value)
+  results = time_variants(_CONFIG.value, variants, _ROUNDS.value,
+                          _BLOCK.value, _WARMUP.value)
+  print(table(results), end='')
+  if _OUT.value:
+    with open(_OUT.value, 'w') as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,43 @@
+"""Tests for experiments.step_ab (config variants timed in one process)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(*args, timeout=300):
+  return subprocess.run(
+      [sys.executable, '-m', 'experiments.step_ab',
+       '--config=configs/diloco_lm.py:mlp', '--cpu_devices=8', *args],
+      cwd=_ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_variants_are_timed_alternately_and_written(tmp_path):
+  out = tmp_path / 'ab.json'
+  proc = _run('--variant=base=', '--variant=wide=model.hidden=256',
+              '--rounds=2', '--block=2', '--warmup=1', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = json.loads(out.read_text())
+  assert list(results) == ['base', 'wide']
+  assert results['wide']['overrides'] == {'model.hidden': 256}
+  for r in results.values():
+    assert r['steps_timed'] == 4  # 2 rounds x 2 steps
+    assert r['median_step_s'] > 0
+    # 32 sequences x 128 tokens per step
+    assert abs(r['tokens_per_s'] * r['median_step_s'] - 32 * 128) < 1e-6
+  assert '| wide | `model.hidden=256` |' in proc.stdout
+
+
+def test_bad_variants_are_refused_by_name():
+  proc = _run('--variant=a=', timeout=120)
+  assert proc.returncode != 0 and 'two or more --variant' in proc.stderr
+  proc = _run('--variant=a=', '--variant=b=model.nope=1', '--rounds=1',
+              '--block=1', timeout=300)
+  assert proc.returncode != 0
+  assert "variant 'b'" in proc.stderr and 'nope' in proc.stderr
+  proc = _run('--variant=a=', '--variant=b=model.hidden', timeout=120)
+  assert proc.returncode != 0 and "'model.hidden' is not FIELD=VALUE" in (
+      proc.stderr)
