@@ -57,6 +57,15 @@ BENCHMARKS: dict[str, Benchmark] = {
     'compare_dp_diloco': Benchmark('compare_dp_diloco'),
     'compression_tradeoff': Benchmark('compression_tradeoff'),
     'benchmark_step_time': Benchmark('benchmark_step_time', ('--steps=60',)),
+    # The 853k LM's gradient and attention variants, one CPU device.
+    'step_ab_853k': Benchmark('step_ab', (
+        '--results_name=step_ab_853k', '--config=configs/diloco_lm.py',
+        '--config.model.num_layers=4', '--config.mesh.simulate_workers=True',
+        '--config.mesh.data=1', '--cpu_devices=1',
+        '--config.outer.method=diloco', '--config.outer.sync_every=10',
+        '--variant=narrow=model.weight_grad=narrow',
+        '--variant=jax_rules=model.weight_grad=xla',
+        '--variant=dot_product_attention=model.attention=xla')),
     'schedules': Benchmark('schedules', (), 'docs/benchmarks.md',
                            (('schedules.png', 'docs/figures/schedules.png'),)),
     'spikes': Benchmark('spikes', (), 'docs/benchmarks.md',

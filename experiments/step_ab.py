@@ -20,14 +20,13 @@ workers stacked on one CPU device::
     --config.model.num_layers=4 --config.mesh.simulate_workers=True \
     --config.mesh.data=1 --cpu_devices=1 \
     --variant='narrow=model.weight_grad=narrow' \
-    --variant='jax_rules=model.weight_grad=xla'
+    --variant='jax_rules=model.weight_grad=xla' --workdir=/tmp/step_ab
 
 XLA flags and device counts are process-wide: compare those with separate
 runs (``experiments.benchmark_step_time``'s levers) instead.
 """
 
 import ast
-import json
 import statistics
 import time
 from typing import Any
@@ -37,6 +36,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
+from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -47,7 +47,11 @@ _ROUNDS = flags.DEFINE_integer('rounds', 6, 'Rounds of alternating blocks.')
 _BLOCK = flags.DEFINE_integer('block', 5, 'Steps per block.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps per variant.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
-_OUT = flags.DEFINE_string('out', '', 'Also write the results as JSON here.')
+_WORKDIR = flags.DEFINE_string(
+    'workdir', '/tmp/step_ab', 'Write the results file <results_name>.json '
+    'here.')
+_RESULTS_NAME = flags.DEFINE_string('results_name', 'step_ab',
+                                    'Name of the results file.')
 
 
 def _value(text: str) -> Any:
@@ -114,20 +118,6 @@ def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
   return out
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-  """The results as a markdown table, ratios against the first variant."""
-  first = next(iter(results.values()))['median_step_s']
-  lines = ['| variant | overrides | median step | tok/s | speed vs first |',
-           '|---|---|---:|---:|---:|']
-  for name, r in results.items():
-    overrides = ', '.join(f'`{k}={v}`' for k, v in r['overrides'].items())
-    lines.append(f'| {name} | {overrides or "-"} | '
-                 f'{r["median_step_s"] * 1e3:.1f} ms | '
-                 f'{r["tokens_per_s"]:,.0f} | '
-                 f'{first / r["median_step_s"]:.3f} |')
-  return '\n'.join(lines) + '\n'
-
-
 def main(argv):
   del argv
   specs = _VARIANTS.value or []
@@ -140,12 +130,18 @@ def main(argv):
   if len(variants) != len(specs):
     raise app.UsageError('variant names must differ')
   _runs.setup(_CPU_DEVICES.value)
-  results = time_variants(_CONFIG.value, variants, _ROUNDS.value,
-                          _BLOCK.value, _WARMUP.value)
-  print(table(results), end='')
-  if _OUT.value:
-    with open(_OUT.value, 'w') as f:
-      json.dump(results, f, indent=2)
+  config = _CONFIG.value
+  results = {
+      'variants': time_variants(config, variants, _ROUNDS.value,
+                                _BLOCK.value, _WARMUP.value),
+      'rounds': _ROUNDS.value, 'block': _BLOCK.value,
+      'model': config.model.name,
+      'model_sizes': {k: config.model.get(k) for k in ('num_layers',
+                                                       'd_model')},
+      'mesh': config.mesh.to_dict(),
+      'cpu_devices': _CPU_DEVICES.value}
+  _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
+              tables.step_ab_main({'results': results}), results)
 
 
 if __name__ == '__main__':

@@ -307,6 +307,31 @@ def step_time_throughput(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def step_ab_main(data: dict[str, Any]) -> str:
+  """Config variants of the inner step, timed alternately in one process
+  (``experiments.step_ab``); speed against the first variant."""
+  r = data['results']
+  variants = r['variants']
+  first = next(iter(variants.values()))['median_step_s']
+  mesh = r['mesh']
+  layout = (f'{mesh["workers"]} workers stacked on each of '
+            f'{r["cpu_devices"]} CPU device(s)' if mesh.get('simulate_workers')
+            else f'{mesh["workers"]} workers x {mesh["data"]} devices')
+  sizes = ', '.join(f'{k} {v}' for k, v in r['model_sizes'].items()
+                    if v is not None)
+  lines = [f'{r["model"]} ({sizes}), {layout}; {r["rounds"]} rounds of '
+           f'{r["block"]}-step blocks, alternating, in one process.', '',
+           '| variant | overrides | median step | tok/s | speed vs first |',
+           '|---|---|---:|---:|---:|']
+  for name, v in variants.items():
+    overrides = ', '.join(f'`{k}={x}`' for k, x in v['overrides'].items())
+    lines.append(f'| {name} | {overrides or "-"} | '
+                 f'{v["median_step_s"] * 1e3:.1f} ms | '
+                 f'{v["tokens_per_s"]:,.0f} | '
+                 f'{first / v["median_step_s"]:.3f} |')
+  return '\n'.join(lines) + '\n'
+
+
 def step_time_levers(data: dict[str, Any]) -> str:
   """Tokens/s of the 853k model under each CPU lever."""
   r = data['results']['throughput']
@@ -391,6 +416,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('benchmark_step_time', 'main'): step_time_main,
     ('benchmark_step_time', 'throughput'): step_time_throughput,
     ('benchmark_step_time', 'levers'): step_time_levers,
+    ('step_ab_853k', 'main'): step_ab_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,

@@ -16,11 +16,13 @@ def _run(*args, timeout=300):
 
 
 def test_variants_are_timed_alternately_and_written(tmp_path):
-  out = tmp_path / 'ab.json'
   proc = _run('--variant=base=', '--variant=wide=model.hidden=256',
-              '--rounds=2', '--block=2', '--warmup=1', f'--out={out}')
+              '--rounds=2', '--block=2', '--warmup=1', f'--workdir={tmp_path}')
   assert proc.returncode == 0, proc.stderr[-2000:]
-  results = json.loads(out.read_text())
+  written = json.loads((tmp_path / 'step_ab.json').read_text())
+  assert written['benchmark'] == 'step_ab' and written['provenance']
+  assert written['results']['rounds'] == 2
+  results = written['results']['variants']
   assert list(results) == ['base', 'wide']
   assert results['wide']['overrides'] == {'model.hidden': 256}
   for r in results.values():
