@@ -291,9 +291,8 @@ def _narrow_attention_bwd(residuals, d_out):
   # gradient is 0 without the mask.
   d_scores = probs * (d_probs - jnp.sum(d_probs * probs, axis=-1,
                                         keepdims=True))
-  # Kept as an array (like the probabilities in the forward): XLA:CPU
-  # otherwise recomputes the softmax backward inside each of the two
-  # matmuls that read it.
+  # Kept as an array (like the probabilities in the forward), so that
+  # XLA:CPU does not fuse its computation into the two matmuls that read it.
   d_scores = jax.lax.optimization_barrier(d_scores / math.sqrt(q.shape[-1]))
   dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, kh)
   t, t_of = _weight_grad.transposed, _weight_grad.transpose_of_product

@@ -106,14 +106,14 @@ def _dense_bwd(precision, preferred_element_type, residuals, g):
                        preferred_element_type=preferred_element_type)
   x2 = x.reshape(-1, n_in)
   g2 = g.reshape(-1, n_out)
-  matmul = functools.partial(lax.dot_general,
-                             dimension_numbers=(((1,), (0,)), ((), ())),
-                             precision=precision,
-                             preferred_element_type=preferred_element_type)
+  row_major = functools.partial(lax.dot_general,
+                                dimension_numbers=(((1,), (0,)), ((), ())),
+                                precision=precision,
+                                preferred_element_type=preferred_element_type)
   if n_in <= n_out:  # x^T g: the copy the kernel needs is of x
-    dw = matmul(transposed(x2), g2)
+    dw = row_major(transposed(x2), g2)
   else:  # (g^T x)^T: the copy is of g, the transpose of the result is small
-    dw = transpose_of_product(matmul(transposed(g2), x2))
+    dw = transpose_of_product(row_major(transposed(g2), x2))
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
