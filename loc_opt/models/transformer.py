@@ -101,7 +101,10 @@ class TransformerConfig:
       and the loss are float32), while parameters, gradients and optimizer
       state stay float32.
     attention: ``'einsum'`` (default; the explicit formula with float32
-      scores, bit-identical to earlier releases), or through
+      scores, its forward bit-identical to earlier releases; under
+      ``weight_grad='narrow'``, the CPU default, its float32 gradients come
+      from the narrow-transpose VJP of :func:`attend`, equal to JAX's rule
+      to float32 rounding), or through
       ``jax.nn.dot_product_attention`` with ``implementation`` ``None``
       (``'auto'``: JAX picks, e.g. cuDNN's fused kernel on GPU where it
       applies), ``'xla'`` or ``'cudnn'`` (GPU only). Numerically equal up to
