@@ -208,6 +208,37 @@ def setup(cpu_devices: int) -> None:
   jax.config.update('jax_num_cpu_devices', cpu_devices)
 
 
+def time_alternating(programs: dict[str, tuple[Any, Any, Any]], rounds: int,
+                     block: int, warmup: int) -> dict[str, list[float]]:
+  """Seconds of each step of each program, timed in alternating blocks.
+
+  ``programs`` maps a name to ``(step, state, batch)``, ``step(state,
+  batch) -> (state, loss)``. Each program first takes ``warmup`` untimed
+  steps; then, ``rounds`` times, each takes ``block`` steps in turn, each
+  timed alone (``block_until_ready`` on the loss), so that a machine whose
+  speed drifts slows them all alike.
+  """
+  states = {name: state for name, (_, state, _) in programs.items()}
+
+  def steps(name, n):
+    step, _, batch = programs[name]
+    times = []
+    for _ in range(n):
+      t = time.perf_counter()
+      states[name], loss = step(states[name], batch)
+      loss.block_until_ready()
+      times.append(time.perf_counter() - t)
+    return times
+
+  for name in programs:
+    steps(name, warmup)
+  times = {name: [] for name in programs}
+  for _ in range(rounds):
+    for name in programs:
+      times[name] += steps(name, block)
+  return times
+
+
 def chosen(names, known, flag: str = '--runs') -> list[str]:
   """``names`` (all of ``known`` when empty), or a usage error naming the
   unknown ones."""

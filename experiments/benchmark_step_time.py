@@ -121,16 +121,6 @@ EXOGYM_SCRIPT = (pathlib.Path(__file__).resolve().parent / 'reference'
                  / 'exogym_throughput.py')
 
 
-def time_steps(step_fn, state, batch, n):
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    state, loss = step_fn(state, batch)
-    loss.block_until_ready()
-    times.append(time.perf_counter() - t)
-  return state, times
-
-
 def _launcher_tokens_per_s(workdir: pathlib.Path, args, xla_flags: str
                            ) -> dict:
   """Runs ``experiments.train`` with ``args`` in a child process and returns
@@ -233,16 +223,11 @@ def step_time() -> dict:
   m, b, t = config.mesh.workers, config.batch_size, config.data.seq_len
   tokens = rng.integers(0, 256, (m, b // m, t + 1), dtype=np.int32)
   batches = {'diloco': tokens, 'data_parallel': tokens.reshape(b, t + 1)}
-  states = {k: e.init_state() for k, e in exps.items()}
-  steps = {k: e.programs.steps[False] for k, e in exps.items()}
-  for k in exps:  # warm up
-    states[k], _ = time_steps(steps[k], states[k], batches[k], 3)
-  times = {k: [] for k in exps}
-  for _ in range(max(1, _STEPS.value // _BLOCK.value)):
-    for k in exps:
-      states[k], ts = time_steps(steps[k], states[k], batches[k],
-                                 _BLOCK.value)
-      times[k] += ts
+  times = _runs.time_alternating(
+      {k: (e.programs.steps[False], e.init_state(), batches[k])
+       for k, e in exps.items()},
+      rounds=max(1, _STEPS.value // _BLOCK.value), block=_BLOCK.value,
+      warmup=3)
   med = {k: statistics.median(v) for k, v in times.items()}
   return {
       'median_step_s': med,

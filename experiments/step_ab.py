@@ -28,7 +28,6 @@ runs (``experiments.benchmark_step_time``'s levers) instead.
 
 import ast
 import statistics
-import time
 from typing import Any
 
 from absl import app
@@ -84,41 +83,25 @@ def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
                   block: int, warmup: int) -> dict[str, dict[str, Any]]:
   """Median step time and tokens/s of each variant's compiled inner step,
   timed in alternating blocks."""
-  import jax  # pylint: disable=g-import-not-at-top
   from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
   from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
 
-  runs = {}
+  programs, tokens = {}, {}
   for name, overrides in variants.items():
     try:
       c = cfg_lib.with_overrides(config, overrides)
     except KeyError as e:
       raise ValueError(f'variant {name!r}: {e.args[0]}') from e
     exp = exp_lib.build_experiment(c)
-    data = exp_lib.load_data(c)
-    state = exp.init_state()
-    batch = exp_lib.train_batch(exp, data, 0)
-    step = exp.programs.steps[exp.plan.inner]
-    for _ in range(warmup):
-      state, loss = step(state, batch)
-    jax.block_until_ready(loss)
-    runs[name] = {'step': step, 'state': state, 'batch': batch, 'times': [],
-                  'tokens': c.batch_size * c.data.seq_len}
-  for _ in range(rounds):
-    for run in runs.values():
-      state = run['state']
-      for _ in range(block):
-        t = time.perf_counter()
-        state, loss = run['step'](state, run['batch'])
-        loss.block_until_ready()
-        run['times'].append(time.perf_counter() - t)
-      run['state'] = state
+    programs[name] = (exp.programs.steps[exp.plan.inner], exp.init_state(),
+                      exp_lib.train_batch(exp, exp_lib.load_data(c), 0))
+    tokens[name] = c.batch_size * c.data.seq_len
+  times = _runs.time_alternating(programs, rounds, block, warmup)
   out = {}
-  for name, run in runs.items():
-    med = statistics.median(run['times'])
+  for name, ts in times.items():
+    med = statistics.median(ts)
     out[name] = {'overrides': variants[name], 'median_step_s': med,
-                 'tokens_per_s': run['tokens'] / med,
-                 'steps_timed': len(run['times'])}
+                 'tokens_per_s': tokens[name] / med, 'steps_timed': len(ts)}
   return out
 
 
