@@ -102,6 +102,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # VJPs on CPU, JAX's rules elsewhere), 'xla' or 'narrow'
   # (loc_opt.models.weight_grad; same products, faster on XLA:CPU).
   c.model.weight_grad = 'auto'
+  # Backward rules of RMSNorm, GELU and (with weight_grad narrow) RoPE:
+  # 'auto' ('fused' on CPU, 'xla' elsewhere), 'xla' (JAX's) or 'fused'
+  # (loc_opt.models.fused_backward; one pass each, float32; faster on
+  # XLA:CPU, gradients equal to JAX's rules to float32 rounding).
+  c.model.backward = 'auto'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

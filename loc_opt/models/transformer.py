@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from loc_opt.models import core
+from loc_opt.models import fused_backward as _fused
 from loc_opt.models import sharding
 from loc_opt.models import weight_grad as _weight_grad
 
@@ -132,6 +133,14 @@ class TransformerConfig:
       XLA:CPU, the attention's equal to float32 rounding; about 1.5x the
       training throughput of the reference LM on XLA:CPU). ``'auto'``
       (default): ``'narrow'`` on CPU, ``'xla'`` elsewhere.
+    backward: the backward rules of the elementwise layers
+      (``loc_opt.models.fused_backward``): ``'fused'``: RMSNorm and GELU
+      save only their inputs and compute their gradients in one pass, and
+      with ``weight_grad`` narrow the rotary embedding is differentiated
+      inside the attention's custom VJP (:func:`rope_attention`); float32
+      only; the forwards are the same operations, the gradients equal to
+      JAX's rules to float32 rounding. ``'xla'``: JAX's rules. ``'auto'``
+      (default): ``'fused'`` on CPU, ``'xla'`` elsewhere.
   """
 
   vocab_size: int = 256
@@ -147,6 +156,7 @@ class TransformerConfig:
   scan_layers: bool = False
   remat: str = 'none'
   weight_grad: str = 'auto'
+  backward: str = 'auto'
 
   def __post_init__(self):
     core.check_positive(
@@ -173,6 +183,7 @@ class TransformerConfig:
       raise ValueError(f'model.scan_layers must be a bool, got '
                        f'{self.scan_layers!r}')
     _weight_grad.check(self.weight_grad)
+    _fused.check(self.backward)
     if self.attention not in ATTENTION:
       raise ValueError(f'model.attention must be one of {sorted(ATTENTION)}, '
                        f'got {self.attention!r}')
@@ -189,6 +200,12 @@ class TransformerConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  def fused(self) -> bool:
+    """Whether the float32 fused backward rules apply (``backward``
+    resolves to ``'fused'``, float32 activations and parameters)."""
+    return (_fused.resolve(self.backward) == 'fused'
+            and self.dtype == jnp.float32 and self.param_dtype == jnp.float32)
 
 
 def _linear(
@@ -211,6 +228,15 @@ def _linear(
   )
 
 
+def _norm(config: TransformerConfig, layer: nnx.RMSNorm, x: jax.Array
+          ) -> jax.Array:
+  """``layer(x)``, through ``fused_backward.rms_norm`` (the same forward,
+  a one-pass backward) when ``config.fused()``."""
+  if config.fused():
+    return _fused.rms_norm(x, layer.scale[...], layer.epsilon)
+  return layer(x)
+
+
 def _rms_norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
   return nnx.RMSNorm(
       config.d_model,
@@ -231,51 +257,122 @@ def rope_tables(
   return jnp.sin(angles), jnp.cos(angles)
 
 
+def _swap_halves(x: jax.Array) -> jax.Array:
+  """``x`` with the two halves of its last axis swapped (``lax.rev`` of a
+  ``[..., 2, D/2]`` view: an index map XLA fuses into the consumer)."""
+  shape = x.shape
+  halves = x.reshape(*shape[:-1], 2, shape[-1] // 2)
+  return jax.lax.rev(halves, (x.ndim - 1,)).reshape(shape)
+
+
+def _rope_factors(sin: jax.Array, cos: jax.Array, inverse: bool = False):
+  """``[T, 1, Dh]`` factors ``(c, s)`` with ``rope(x) = x c + swap(x) s``
+  (``inverse``: the rotation by minus the angle, RoPE's transpose)."""
+  sign = -1.0 if inverse else 1.0
+  c = jnp.concatenate([cos, cos], axis=-1)
+  s = jnp.concatenate([-sign * sin, sign * sin], axis=-1)
+  return c[:, None, :], s[:, None, :]
+
+
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-  """Rotates ``x`` ``[B, T, H, Dh]`` by position (half-split convention)."""
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  sin, cos = sin[:, None, :], cos[:, None, :]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  """Rotates ``x`` ``[B, T, H, Dh]`` by position (half-split convention):
+  ``[x1 cos - x2 sin, x2 cos + x1 sin]`` for the halves ``x1, x2``.
+
+  Computed as ``x c + swap(x) s`` (:func:`_rope_factors`), the same
+  products and sums as the concatenation of the two halves (bit-identical
+  on XLA:CPU, ``tests/models``), without a concatenate that XLA:CPU runs
+  as an operation of its own.
+  """
+  c, s = _rope_factors(sin, cos)
+  x32 = x.astype(jnp.float32)
+  return (x32 * c + _swap_halves(x32) * s).astype(x.dtype)
+
+
+def _causal_bias(t: int) -> jax.Array:
+  """``[T, T]`` float32: 0 on and below the diagonal, the float32 minimum
+  above (a constant of the compiled program)."""
+  with jax.ensure_compile_time_eval():
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(
+        jnp.float32)
+
+
+def _softmax_probs(scores: jax.Array, keep_probs: bool) -> jax.Array:
+  """The causal softmax of ``[..., T, T]`` float32 scores.
+
+  The mask is added (``scores + bias``) rather than selected: the same
+  values (a masked score becomes the float32 minimum either way, its
+  probability 0), but an add that XLA:CPU fuses into the softmax.
+  ``keep_probs`` computes the probabilities into an array of their own (an
+  optimization barrier) instead of letting XLA fuse the softmax into the
+  matmuls that read them; the values are the same.
+  """
+  probs = jax.nn.softmax(scores + _causal_bias(scores.shape[-1]), axis=-1)
+  return jax.lax.optimization_barrier(probs) if keep_probs else probs
 
 
 def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                       keep_probs: bool = False):
   """The explicit formula: ``(output [B, T, H, Dh], probs [B, H, T, T])``,
-  the probabilities in float32 before their cast to ``v``'s dtype.
-
-  ``keep_probs`` computes the probabilities into an array of their own
-  (an optimization barrier) instead of letting XLA fuse the softmax into
-  the matmuls that read them; the values are the same.
-  """
-  t, head_dim = q.shape[1], q.shape[-1]
+  the probabilities in float32 before their cast to ``v``'s dtype
+  (``keep_probs``: see :func:`_softmax_probs`)."""
   scores = jnp.einsum(
       'bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32
-  ) / math.sqrt(head_dim)
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  if keep_probs:
-    probs = jax.lax.optimization_barrier(probs)
+  ) / math.sqrt(q.shape[-1])
+  probs = _softmax_probs(scores, keep_probs)
   return jnp.einsum('bhqk,bkhd->bqhd', probs.astype(v.dtype), v), probs
+
+
+def _heads_major(x: jax.Array) -> jax.Array:
+  """``[B, T, H, Dh]`` <-> ``[B, H, T, Dh]``."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def _attention_bwd_heads(qh, kh, vh, probs, dh):
+  """The gradients of the einsum attention, heads-major: from ``[B, H, T,
+  Dh]`` queries, keys, values and output cotangent and the ``[B, H, T, T]``
+  probabilities, ``(dq [B, H, T, Dh], dk^T, dv^T [B, H, Dh, T])``.
+
+  JAX's rule computes the key and value gradients as ``dS^T q`` and
+  ``P^T do``, contractions over the query axis, the leading axis of both
+  operands; XLA:CPU runs those through Eigen with a strided packing of the
+  ``[T, T]`` operand (the slowest dots of the 853k LM's step). Here they
+  are ``q^T dS`` and ``do^T P``: the copies are of the ``[T, Dh]``
+  operands and the matmuls are row-major (``weight_grad.transposed``); the
+  products are kept behind barriers so that XLA does not fold the callers'
+  transposes back into them. The score scale ``1 / sqrt(Dh)`` multiplies
+  the ``[T, Dh]`` products rather than the ``[T, T]`` score gradient. The
+  products sum the same terms in another order, so the gradients agree
+  with JAX's rule to float32 rounding (``tests/models``).
+  """
+  scale = 1.0 / math.sqrt(qh.shape[-1])
+  d_probs = jnp.einsum('bhqd,bhkd->bhqk', dh, vh)
+  # Softmax's backward; the masked entries have probability 0, so their
+  # gradient is 0 without the mask. Kept as an array (like the
+  # probabilities in the forward), so that XLA:CPU does not fuse its
+  # computation into the matmuls that read it.
+  d_scores = jax.lax.optimization_barrier(
+      probs * (d_probs - jnp.sum(d_probs * probs, axis=-1, keepdims=True)))
+  t = _weight_grad.transposed
+  dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, kh) * scale
+  dk_t = jnp.einsum('bhdq,bhqk->bhdk', t(qh), d_scores) * scale
+  dv_t = jnp.einsum('bhdq,bhqk->bhdk', t(dh), probs)
+  barrier = jax.lax.optimization_barrier
+  return dq, barrier(dk_t), barrier(dv_t)
+
+
+def _tokens_major_of_t(x_t: jax.Array) -> jax.Array:
+  """``[B, H, Dh, T]`` -> ``[B, T, H, Dh]``."""
+  return x_t.transpose(0, 3, 1, 2)
 
 
 @jax.custom_vjp
 def _narrow_attention(q: jax.Array, k: jax.Array, v: jax.Array):
   """:func:`_einsum_attention`'s output (float32 operands), whose backward
-  contracts over the sequence with the narrow operands transposed.
+  is :func:`_attention_bwd_heads`'s.
 
   The forward is the same computation (the probabilities kept as an array:
-  ``keep_probs``). In the backward, JAX's rule computes
-  the key and value gradients as ``dS^T q`` and ``P^T do``, contractions
-  over the query axis, the leading axis of both operands; XLA:CPU runs the
-  first through Eigen with a strided packing of the ``[T, T]`` operand
-  (the slowest dots of the 853k LM's step). Here they are
-  ``(q^T dS)^T`` and ``(do^T P)^T``: the copies are of the ``[T, Dh]``
-  operands and the matmuls are row-major (``weight_grad.transposed`` and
-  ``transpose_of_product``). The products sum the same terms in another
-  order, so the gradients agree with JAX's rule to float32 rounding
-  (``tests/models``).
+  ``keep_probs``).
   """
   return _einsum_attention(q, k, v, keep_probs=True)[0]
 
@@ -287,24 +384,61 @@ def _narrow_attention_fwd(q, k, v):
 
 def _narrow_attention_bwd(residuals, d_out):
   q, k, v, probs = residuals
-  heads_major = lambda x: x.transpose(0, 2, 1, 3)  # [B, H, T, Dh]
-  qh, kh, vh, dh = (heads_major(x) for x in (q, k, v, d_out))
-  d_probs = jnp.einsum('bhqd,bhkd->bhqk', dh, vh)
-  # Softmax's backward; the masked entries have probability 0, so their
-  # gradient is 0 without the mask.
-  d_scores = probs * (d_probs - jnp.sum(d_probs * probs, axis=-1,
-                                        keepdims=True))
-  # Kept as an array (like the probabilities in the forward), so that
-  # XLA:CPU does not fuse its computation into the two matmuls that read it.
-  d_scores = jax.lax.optimization_barrier(d_scores / math.sqrt(q.shape[-1]))
-  dq = jnp.einsum('bhqk,bhkd->bhqd', d_scores, kh)
-  t, t_of = _weight_grad.transposed, _weight_grad.transpose_of_product
-  dk = t_of(jnp.einsum('bhdq,bhqk->bhdk', t(qh), d_scores))
-  dv = t_of(jnp.einsum('bhdq,bhqk->bhdk', t(dh), probs))
-  return heads_major(dq), heads_major(dk), heads_major(dv)
+  dq, dk_t, dv_t = _attention_bwd_heads(
+      *(_heads_major(x) for x in (q, k, v)), probs, _heads_major(d_out))
+  return _heads_major(dq), _tokens_major_of_t(dk_t), _tokens_major_of_t(dv_t)
 
 
 _narrow_attention.defvjp(_narrow_attention_fwd, _narrow_attention_bwd)
+
+
+def _rope_attention_fwd_heads(q, k, v, sin, cos):
+  """The output ``[B, T, H, Dh]`` of RoPE then the einsum attention, and
+  the heads-major rotated queries, keys, values and the probabilities."""
+  qh, kh = (_heads_major(apply_rope(x, sin, cos)) for x in (q, k))
+  vh = _heads_major(v)
+  scores = jnp.einsum(
+      'bhqd,bhkd->bhqk', qh, kh, preferred_element_type=jnp.float32
+  ) / math.sqrt(q.shape[-1])
+  probs = _softmax_probs(scores, keep_probs=True)
+  out = _heads_major(jnp.einsum('bhqk,bhkd->bhqd', probs, vh))
+  return out, (qh, kh, vh, probs)
+
+
+@jax.custom_vjp
+def rope_attention(q: jax.Array, k: jax.Array, v: jax.Array, sin: jax.Array,
+                   cos: jax.Array) -> jax.Array:
+  """Causal attention of float32 ``[B, T, H, Dh]`` queries and keys before
+  RoPE (:func:`apply_rope` with ``sin``, ``cos``) and values.
+
+  The forward computes what ``attend(apply_rope(q), apply_rope(k), v,
+  'einsum')`` does, in the heads-major layout the matmuls read, the
+  rotation fused into that transpose. The backward is
+  :func:`_attention_bwd_heads`'s, then RoPE's transpose (the rotation by
+  minus the angle) fused into the transposes back to ``[B, T, H, Dh]``;
+  no gradient flows to ``sin`` and ``cos`` (constants of the model). The
+  model uses it under ``weight_grad`` narrow and ``backward`` fused (the
+  CPU defaults); the gradients agree with JAX's rules to float32 rounding.
+  """
+  return _rope_attention_fwd_heads(q, k, v, sin, cos)[0]
+
+
+def _rope_attention_fwd(q, k, v, sin, cos):
+  out, heads = _rope_attention_fwd_heads(q, k, v, sin, cos)
+  return out, (heads, sin, cos)
+
+
+def _rope_attention_bwd(residuals, d_out):
+  (qh, kh, vh, probs), sin, cos = residuals
+  dq, dk_t, dv_t = _attention_bwd_heads(qh, kh, vh, probs,
+                                        _heads_major(d_out))
+  c, s = _rope_factors(sin, cos, inverse=True)
+  unrotate = lambda g: g * c + _swap_halves(g) * s
+  return (unrotate(_heads_major(dq)), unrotate(_tokens_major_of_t(dk_t)),
+          _tokens_major_of_t(dv_t), jnp.zeros_like(sin), jnp.zeros_like(cos))
+
+
+rope_attention.defvjp(_rope_attention_fwd, _rope_attention_bwd)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str,
@@ -315,8 +449,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str,
   ``q k^T / sqrt(Dh)``, causal mask, float32 softmax, probabilities cast to
   ``v``'s dtype. With ``weight_grad='narrow'`` (the resolved value of
   ``model.weight_grad``, see ``loc_opt.models.weight_grad``) and float32
-  operands its gradients are computed by :func:`_narrow_attention`'s
-  backward (same forward; gradients equal to JAX's rule's up to float32
+  operands its gradients are computed by :func:`_attention_bwd_heads`
+  (same forward; gradients equal to JAX's rule's up to float32
   rounding). The others call ``jax.nn.dot_product_attention``
   (``is_causal=True``), whose XLA path computes the same in the same
   precisions (it multiplies by ``1 / sqrt(Dh)`` instead of dividing, so the
@@ -356,11 +490,15 @@ class Attention(nnx.Module):
       y = y.reshape(b, t, config.num_heads, config.head_dim)
       return config.constrain(y, 'batch', 'length', 'heads', 'kv')
 
-    q = apply_rope(heads(self.query(x)), sin, cos)
-    k = apply_rope(heads(self.key(x)), sin, cos)
-    y = heads(attend(q, k, heads(self.value(x)), config.attention,
-                     _weight_grad.resolve(config.weight_grad)))
-    return self.out(y.reshape(b, t, config.d_model))
+    q, k, v = (heads(f(x)) for f in (self.query, self.key, self.value))
+    weight_grad = _weight_grad.resolve(config.weight_grad)
+    if (config.attention == 'einsum' and weight_grad == 'narrow'
+        and config.fused()):
+      y = rope_attention(q, k, v, sin, cos)
+    else:
+      y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
+                 config.attention, weight_grad)
+    return self.out(heads(y).reshape(b, t, config.d_model))
 
 
 class MLP(nnx.Module):
@@ -383,6 +521,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     hidden = self.config.constrain(self.up(x), 'batch', 'length', 'mlp')
+    if self.config.fused():
+      return self.down(_fused.gelu_tanh(hidden))
     return self.down(jax.nn.gelu(hidden, approximate=True))
 
 
@@ -402,8 +542,9 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
     residual = lambda y: self.config.constrain(y, 'batch', 'length', 'embed')
-    x = residual(x + self.attn(self.attn_norm(x), sin, cos))
-    return residual(x + self.mlp(self.mlp_norm(x)))
+    norm = lambda layer, x: _norm(self.config, layer, x)
+    x = residual(x + self.attn(norm(self.attn_norm, x), sin, cos))
+    return residual(x + self.mlp(norm(self.mlp_norm, x)))
 
 
 def _stack(blocks: list[Block]) -> Block:
@@ -525,7 +666,7 @@ class Transformer(nnx.Module):
       for i in range(config.num_layers):
         x = _call_block(getattr(self, f'layer_{i}'), x, sin, cos,
                         config.remat)
-    logits = self.head(self.final_norm(x)).astype(jnp.float32)
+    logits = self.head(_norm(config, self.final_norm, x)).astype(jnp.float32)
     return config.constrain(logits, 'batch', 'length', 'vocab')
 
 

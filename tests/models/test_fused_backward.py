@@ -1,0 +1,165 @@
+"""Tests for the fused backward rules (loc_opt.models.fused_backward) and the
+RoPE attention VJP of the Transformer."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loc_opt import models
+from loc_opt.models import fused_backward
+from loc_opt.models import transformer as tfm
+
+
+def _close(got, want, rtol=1e-5):
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_allclose(got, want, rtol=rtol,
+                             atol=rtol * float(np.max(np.abs(want))))
+
+
+def _norm_layer(width=48):
+  layer = nnx.RMSNorm(width, epsilon=1e-6, rngs=nnx.Rngs(0))
+  layer.scale[...] = 1 + 0.1 * jax.random.normal(jax.random.key(3), (width,))
+  return layer
+
+
+def test_rms_norm_forward_identical_gradients_close():
+  layer = _norm_layer()
+  x = 3 * jax.random.normal(jax.random.key(0), (4, 16, 48))
+  g = jax.random.normal(jax.random.key(1), x.shape)
+  scale = layer.scale[...]
+  want = jax.jit(lambda x: layer(x))(x)
+  got = jax.jit(lambda x, s: fused_backward.rms_norm(x, s, 1e-6))(x, scale)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  def ref(x, s):  # nnx.RMSNorm's operations, differentiated by JAX
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+    return x * (inv * s)
+
+  vjp = lambda f: jax.jit(lambda x, s, g: jax.vjp(f, x, s)[1](g))
+  dx_want, ds_want = vjp(ref)(x, scale, g)
+  dx, ds = vjp(lambda x, s: fused_backward.rms_norm(x, s, 1e-6))(x, scale, g)
+  _close(dx, dx_want)
+  _close(ds, ds_want)
+  # Without the normalization's own term the input gradient is far off.
+  inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+  assert not np.allclose(g * scale * inv, dx_want, rtol=1e-2)
+
+
+def test_rms_norm_rejects_other_dtypes():
+  x = jnp.ones((2, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match='float32'):
+    fused_backward.rms_norm(x, jnp.ones((8,)), 1e-6)
+
+
+def test_gelu_forward_identical_gradient_close():
+  x = 3 * jax.random.normal(jax.random.key(0), (8, 64, 96))
+  g = jax.random.normal(jax.random.key(1), x.shape)
+  gelu = lambda x: jax.nn.gelu(x, approximate=True)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(fused_backward.gelu_tanh)(x)),
+      np.asarray(jax.jit(gelu)(x)))
+  vjp = lambda f: jax.jit(lambda x, g: jax.vjp(f, x)[1](g)[0])
+  want = vjp(gelu)(x, g)
+  _close(vjp(fused_backward.gelu_tanh)(x, g), want)
+  # The exact-GELU derivative differs from the tanh form's: the check bites.
+  exact = lambda x: jax.nn.gelu(x, approximate=False)
+  assert not np.allclose(vjp(exact)(x, g), want, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_rope_is_the_half_split_rotation():
+  x = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
+  sin, cos = tfm.rope_tables(16, 8)
+
+  def half_split(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    s, c = sin[:, None, :], cos[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(lambda x: tfm.apply_rope(x, sin, cos))(x)),
+      np.asarray(jax.jit(half_split)(x)))
+
+
+def test_causal_bias_masks_like_a_select():
+  scores = jax.random.normal(jax.random.key(0), (2, 3, 16, 16))
+  causal = jnp.tril(jnp.ones((16, 16), bool))
+
+  def selected(s):  # the mask as a select, as earlier releases had it
+    return jax.nn.softmax(jnp.where(causal, s, jnp.finfo(jnp.float32).min),
+                          axis=-1)
+
+  probs = jax.jit(lambda s: tfm._softmax_probs(s, False))(scores)
+  np.testing.assert_array_equal(np.asarray(probs),
+                                np.asarray(jax.jit(selected)(scores)))
+  assert float(jnp.max(jnp.where(causal, 0.0, probs))) == 0.0
+
+
+def _rope_inputs(shape=(2, 16, 4, 8)):
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, d_out = (jax.random.normal(key, shape) for key in keys)
+  sin, cos = tfm.rope_tables(shape[1], shape[-1])
+  return q, k, v, d_out, sin, cos
+
+
+def test_rope_attention_forward_identical_gradients_close():
+  q, k, v, d_out, sin, cos = _rope_inputs()
+
+  def reference(q, k, v):  # JAX's rules through RoPE and the einsum formula
+    rope = lambda x: tfm.apply_rope(x, sin, cos)
+    return tfm.attend(rope(q), rope(k), v, 'einsum', 'xla')
+
+  fused = lambda q, k, v: tfm.rope_attention(q, k, v, sin, cos)
+  out_want, pull_want = jax.vjp(reference, q, k, v)
+  out, pull = jax.vjp(fused, q, k, v)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(fused)(q, k, v)), np.asarray(jax.jit(reference)(
+          q, k, v)))
+  _close(out, out_want)
+  want = pull_want(d_out)
+  got = pull(d_out)
+  for a, b in zip(got, want):
+    _close(a, b)
+  # The keys' gradient is not the queries': the check bites.
+  assert not np.allclose(got[1], want[0], rtol=1e-2)
+
+
+def _model_grads(backward, **fields):
+  config = dict(name='transformer', d_model=32, num_layers=2, num_heads=4,
+                d_ff=96, max_len=32, backward=backward) | fields
+  model = models.build_model(config)
+  params = model.init(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
+
+  def loss(p):
+    return models.lm_loss(model.apply(p, tokens[:, :-1]), tokens[:, 1:])
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize('fields', [
+    {}, {'weight_grad': 'xla'}, {'remat': 'dots'},
+    {'scan_layers': True, 'remat': 'full'}],
+    ids=['narrow', 'weight_grad_xla', 'remat_dots', 'scan_remat_full'])
+def test_model_gradients_match_jax_rules(fields):
+  loss_xla, g_xla = _model_grads('xla', **fields)
+  loss_fused, g_fused = _model_grads('fused', **fields)
+  np.testing.assert_allclose(float(loss_fused), float(loss_xla), rtol=1e-6)
+  assert jax.tree.structure(g_xla) == jax.tree.structure(g_fused)
+  for a, b in zip(jax.tree.leaves(g_xla), jax.tree.leaves(g_fused)):
+    _close(b, a, rtol=2e-5)
+
+
+def test_mixed_precision_keeps_jax_rules():
+  config = tfm.TransformerConfig(dtype='bfloat16', backward='fused')
+  assert not config.fused()
+  assert tfm.TransformerConfig(backward='fused').fused()
+  assert not tfm.TransformerConfig(backward='xla').fused()
+
+
+def test_config_values():
+  assert fused_backward.resolve('auto') == 'fused'  # the tests run on CPU
+  assert fused_backward.resolve('xla') == 'xla'
+  with pytest.raises(ValueError, match='model.backward'):
+    tfm.TransformerConfig(backward='fast')
