@@ -21,7 +21,7 @@ which XLA:CPU runs through Eigen with a slow strided packing. Each product
 sums the same terms; on XLA:CPU the dense layers' gradients of the
 reference LM are bit-identical to JAX's rule (``tests/models``). The
 Transformer's attention uses the same two helpers for its key and value
-gradients (``loc_opt.models.transformer.attend``).
+gradients (``loc_opt.models.attention``).
 
 It is a drop-in ``dot_general`` for ``flax.nnx.Linear`` (its ``dot_general``
 argument) for the one contraction a dense layer does (the last axis of the

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from loc_opt import models
+from loc_opt.models import attention
 from loc_opt.models import fused_backward
 from loc_opt.models import transformer as tfm
 
@@ -90,7 +91,7 @@ def test_causal_bias_masks_like_a_select():
     return jax.nn.softmax(jnp.where(causal, s, jnp.finfo(jnp.float32).min),
                           axis=-1)
 
-  probs = jax.jit(lambda s: tfm._softmax_probs(s, False))(scores)
+  probs = jax.jit(lambda s: attention._softmax_probs(s, False))(scores)
   np.testing.assert_array_equal(np.asarray(probs),
                                 np.asarray(jax.jit(selected)(scores)))
   assert float(jnp.max(jnp.where(causal, 0.0, probs))) == 0.0
