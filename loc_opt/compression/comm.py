@@ -88,6 +88,12 @@ class Comm:
       flat = jax.lax.with_sharding_constraint(flat, jax.P(axes))
     return flat
 
+  def pad(self, flat: jax.Array, multiple: int = 1) -> jax.Array:
+    """Pads ``flat`` as :meth:`spread` does, leaving it whole on every
+    device: for a payload that goes to :meth:`pmean` / :meth:`psum` as it
+    is (a linear codec's), which spread it themselves."""
+    return pad_to(flat, multiple * self.inner_devices())
+
   def varying(self, tree: Any) -> Any:
     """Marks every leaf as varying over the worker axis inside shard_map.
 
@@ -110,12 +116,34 @@ class Comm:
 
   # --------------------------------------------------------- collectives ---
   def _spread_leaf(self, x, collective):
-    """Runs ``collective(flat)`` on ``x`` flattened and spread."""
+    """Runs ``collective`` on ``x`` flattened and spread; ``x`` whole on
+    every device of the worker afterwards.
+
+    Inside a ``shard_map`` manual over the worker's axes: each device
+    takes its slice of the (replicated) buffer, ``collective`` runs on the
+    slices, and one all-gather inside the worker puts the result back
+    together. Replicated in and out, so XLA's partitioner does not carry
+    the split into the computations around it (left to itself it computed
+    the optimizer updates on the halves of every leaf and gathered each
+    leaf back: 240 small collectives in the 853k LM's sync step).
+    """
     axes = self.inner_axes()
     if not axes or x.size < 2:
       return collective(x)
-    flat = self.spread(x.reshape(-1))
-    out = collective(flat)
+    devices = self.inner_devices()
+    flat = pad_to(x.reshape(-1), devices)
+    part = flat.size // devices
+
+    def body(full):
+      index = jax.lax.axis_index(axes)
+      mine = jax.lax.dynamic_slice_in_dim(full, index * part, part)
+      return jax.lax.all_gather(collective(mine), axes, tiled=True)
+
+    # The gathered result is the same on every device of the worker (JAX
+    # types an all_gather's result as varying, hence check_vma=False).
+    out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=jax.P(), out_specs=jax.P(),
+                        axis_names=set(axes), check_vma=False)(flat)
     return out[:x.size].reshape(x.shape)
 
   def pmean(self, tree: Any) -> Any:

@@ -298,7 +298,7 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
       again = codec.encode(mine, jax.random.fold_in(enc_key, w))
       avg = decode_all(comm.all_gather(again), n, key).reshape(-1)
     else:
-      flat = comm.spread(flat, codec.block_size)
+      flat = (comm.pad if codec.linear else comm.spread)(flat, codec.block_size)
       n = flat.size
       payload = codec.encode(flat, enc_key)
       own = codec.decode(payload, n, key)

@@ -120,18 +120,24 @@ def test_eager_and_co2_round_is_independent_of_the_average(name):
     assert operands == {0}, (flow.node.name, operands)
 
 
-def test_combined_all_reduces_make_the_sync_wait():
-  # Compiled with XLA's all-reduce combiner (the default), CO2's send
-  # shares one all-reduce with a later step's data-axis reduction, so it
-  # waits for that step's forward pass: why windows compile without it.
-  tx = TXS['co2'](0)
+@pytest.mark.parametrize('name', ['eager', 'co2'])
+def test_round_is_independent_under_the_all_reduce_combiner(name):
+  # Compiled with XLA's all-reduce combiner (the default, not the windows'
+  # COMPILER_OPTIONS). When the sync's reduction was a GSPMD-partitioned
+  # pmean, the combiner merged CO2's send with a later step's data-axis
+  # reduction, so it waited for that step's forward pass. worker_mean now
+  # reduces inside a shard_map of its own over the worker's devices, and the
+  # round stays independent either way; the windows keep the options.
+  tx = TXS[name](0)
   window = overlap.overlap_window(window_step(tx), (True, False, False))
   mesh = helpers.worker_mesh()
   fn = jax.jit(parallel.shard_map_workers(
       lambda carry, xs: window(carry, xs)[0], mesh))
   batches = tuple(helpers.worker_batches(i) for i in range(3))
   program = fn.lower(start(tx), batches).compile()
-  assert any(operands - {0} for _, _, operands in user_steps(program))
+  for flow, users, operands in user_steps(program):
+    assert not users & {1, 2}, (flow.node.name, users)
+    assert operands == {0}, (flow.node.name, operands)
 
 
 def run_windows(tx, plan, steps, runner, overlap_steps):

@@ -37,3 +37,32 @@ def test_worker_mean_without_mesh_is_pmean():
   x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
   got = jax.vmap(parallel.worker_mean(), axis_name='worker')(x)
   np.testing.assert_allclose(got, np.broadcast_to(x.mean(0), (4, 3)))
+
+
+def test_worker_mean_of_a_tree_is_one_reduction_and_one_gather():
+  # DiLoCo's outer step: the mean of many leaves, then an elementwise update
+  # of replicated state. Left to itself, XLA's partitioner carried the
+  # spread of the averaged buffer into the update (each leaf updated in
+  # halves, then gathered back: hundreds of small collectives in the LM's
+  # sync step); worker_mean keeps its buffer's split to itself.
+  workers, data = 4, 2
+  mesh = parallel.make_worker_mesh(workers, data=data)
+  rng = np.random.default_rng(0)
+  shapes = [(32, 16), (16,), (16, 48), (48, 16), (7,)] * 3
+  tree = [jax.device_put(rng.normal(size=(workers, *s)).astype(np.float32),
+                         jax.NamedSharding(mesh, jax.P('worker')))
+          for s in shapes]
+  mean = parallel.worker_mean()
+
+  def outer_step(anchor):
+    delta = jax.tree.map(lambda a: a * 0.5, anchor)
+    return jax.tree.map(lambda a, m: a - 0.7 * m, anchor, mean(delta))
+
+  step = jax.jit(parallel.shard_map_workers(outer_step, mesh))
+  report = parallel.collective_bytes(step.lower(tree).compile(), mesh)
+  kinds = [(c.kind, c.cross_worker) for c in report.collectives]
+  assert sorted(kinds) == [('all-gather', False), ('all-reduce', True)], kinds
+  for got, anchor in zip(step(tree), tree):
+    anchor = np.asarray(anchor)
+    want = anchor - 0.7 * 0.5 * anchor.mean(0, keepdims=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
