@@ -104,6 +104,8 @@ LEVERS = {
              '--cpu_devices=2')),
     "weight gradients by JAX's rule (model.weight_grad=xla)": (
         '', ('--config.model.weight_grad=xla',)),
+    "norms, GELU and RoPE by JAX's rules (model.backward=xla)": (
+        '', ('--config.model.backward=xla',)),
     'blocks under lax.scan': ('', ('--config.model.scan_layers=True',)),
     'jax.nn.dot_product_attention (xla)': (
         '', ('--config.model.attention=xla',)),

@@ -47,6 +47,18 @@ class Benchmark:
 
 # name (of the results file) -> how to make it, cheapest and most wanted
 # first. Every name is also the results file's name.
+# experiments.step_ab's runs: the workers stacked on one CPU device, H = 10;
+# the defaults (narrow weight gradients, fused backward rules) first.
+_STEP_AB_ARGS = (
+    '--config=configs/diloco_lm.py', '--config.mesh.simulate_workers=True',
+    '--config.mesh.data=1', '--cpu_devices=1',
+    '--config.outer.method=diloco', '--config.outer.sync_every=10')
+_STEP_AB_VARIANTS = (
+    '--variant=defaults=',
+    '--variant=backward_xla=model.backward=xla',
+    '--variant=jax_rules=model.weight_grad=xla,model.backward=xla',
+    '--variant=dot_product_attention=model.attention=xla')
+
 BENCHMARKS: dict[str, Benchmark] = {
     'wire_bytes': Benchmark('wire_bytes'),
     'outer_sweep': Benchmark('outer_sweep'),
@@ -57,15 +69,15 @@ BENCHMARKS: dict[str, Benchmark] = {
     'compare_dp_diloco': Benchmark('compare_dp_diloco'),
     'compression_tradeoff': Benchmark('compression_tradeoff'),
     'benchmark_step_time': Benchmark('benchmark_step_time', ('--steps=60',)),
-    # The 853k LM's gradient and attention variants, one CPU device.
+    # The 853k and 1.48M LMs' backward-rule and attention variants, one CPU
+    # device.
     'step_ab_853k': Benchmark('step_ab', (
-        '--results_name=step_ab_853k', '--config=configs/diloco_lm.py',
-        '--config.model.num_layers=4', '--config.mesh.simulate_workers=True',
-        '--config.mesh.data=1', '--cpu_devices=1',
-        '--config.outer.method=diloco', '--config.outer.sync_every=10',
-        '--variant=narrow=model.weight_grad=narrow',
-        '--variant=jax_rules=model.weight_grad=xla',
-        '--variant=dot_product_attention=model.attention=xla')),
+        '--results_name=step_ab_853k', *_STEP_AB_ARGS,
+        '--config.model.num_layers=4', *_STEP_AB_VARIANTS)),
+    'step_ab_1480k': Benchmark('step_ab', (
+        '--results_name=step_ab_1480k', *_STEP_AB_ARGS,
+        '--config.model.num_layers=4', '--config.model.d_model=192',
+        *_STEP_AB_VARIANTS)),
     'schedules': Benchmark('schedules', (), 'docs/benchmarks.md',
                            (('schedules.png', 'docs/figures/schedules.png'),)),
     'spikes': Benchmark('spikes', (), 'docs/benchmarks.md',

@@ -18,9 +18,9 @@ workers stacked on one CPU device::
 
   python -m experiments.step_ab --config=configs/diloco_lm.py \
     --config.model.num_layers=4 --config.mesh.simulate_workers=True \
-    --config.mesh.data=1 --cpu_devices=1 \
-    --variant='narrow=model.weight_grad=narrow' \
-    --variant='jax_rules=model.weight_grad=xla' --workdir=/tmp/step_ab
+    --config.mesh.data=1 --cpu_devices=1 --variant='defaults=' \
+    --variant='jax_rules=model.weight_grad=xla,model.backward=xla' \
+    --workdir=/tmp/step_ab
 
 XLA flags and device counts are process-wide: compare those with separate
 runs (``experiments.benchmark_step_time``'s levers) instead.
@@ -51,7 +51,7 @@ _WORKDIR = flags.DEFINE_string(
     'here.')
 # The results names experiments.regenerate writes with this program (its
 # arguments are there), each published in docs/benchmarks.md.
-REGENERATED = ('step_ab_853k',)
+REGENERATED = ('step_ab_853k', 'step_ab_1480k')
 _RESULTS_NAME = flags.DEFINE_string(
     'results_name', 'step_ab', 'Name of the results file (regenerate: one '
     f'of {list(REGENERATED)}).')

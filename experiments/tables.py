@@ -417,6 +417,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('benchmark_step_time', 'throughput'): step_time_throughput,
     ('benchmark_step_time', 'levers'): step_time_levers,
     ('step_ab_853k', 'main'): step_ab_main,
+    ('step_ab_1480k', 'main'): step_ab_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
