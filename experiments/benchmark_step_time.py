@@ -22,9 +22,12 @@ Two parts (``--parts``, both by default):
   ``experiments/reference/exogym_throughput.py``) the PyTorch simulator
   exogym runs the same model size, batch, H and optimizers right after each
   loc_opt run, so both are measured on the same machine in the same minutes.
+  ``--repeats=R`` runs the sizes part R rounds (per size: loc_opt, exogym,
+  the stacked layout) and reports each figure's median over the rounds and
+  the ratios round by round: single runs spread by 5-20% here.
 
   python -m experiments.benchmark_step_time --config=configs/diloco_lm.py \
-    [--steps=60] [--workdir=/tmp/step_time] \
+    [--steps=60] [--repeats=3] [--workdir=/tmp/step_time] \
     [--exogym_python=/tmp/torchenv/bin/python]
 """
 
@@ -60,6 +63,10 @@ _THROUGHPUT_STEPS = flags.DEFINE_integer(
 _LEVERS = flags.DEFINE_list(
     'levers', None, 'Levers to measure at the 853k size (default: all of '
     'LEVERS; an empty value measures none).')
+_REPEATS = flags.DEFINE_integer(
+    'repeats', 1, 'Rounds of the sizes part: each round runs, per size, '
+    'loc_opt, exogym and the stacked layout in turn; the tables give the '
+    'median of the rounds (the machine drifts by 10-20% over minutes).')
 _STACKED = flags.DEFINE_boolean(
     'stacked', True, 'Also run each size with the 4 workers stacked on one '
     'CPU device (STACKED_ARGS), right after exogym.')
@@ -166,10 +173,23 @@ def _exogym_tokens_per_s(python: str, label: str, steps: int) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _median_run(runs: list[dict]) -> dict:
+  """The run of median tokens/s (the lower middle one of an even count),
+  with every run's tokens/s in ``rounds_tokens_per_s``."""
+  ordered = sorted(runs, key=lambda r: r['tokens_per_s'])
+  row = dict(ordered[(len(ordered) - 1) // 2])
+  row['rounds_tokens_per_s'] = [r['tokens_per_s'] for r in runs]
+  return row
+
+
 def throughput(config_path: str, steps: int, workdir: pathlib.Path,
-               levers, exogym_python: str, stacked: bool = True) -> dict:
-  """The throughput part: sizes (the default layout, exogym, the stacked
-  layout, in that order), then levers."""
+               levers, exogym_python: str, stacked: bool = True,
+               repeats: int = 1) -> dict:
+  """The throughput part: ``repeats`` rounds of the sizes (per size the
+  default layout, exogym, the stacked layout, in that order), then
+  levers."""
+  if repeats < 1:
+    raise ValueError(f'--repeats must be >= 1, got {repeats}')
   if steps % 10 or steps < 30:
     raise ValueError(f'--throughput_steps must be a multiple of 10, >= 30, '
                      f'got {steps}')
@@ -178,22 +198,31 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
     raise ValueError(f'unknown levers {unknown}; known: {sorted(LEVERS)}')
   base = (f'--config={config_path}', f'--config.num_steps={steps}',
           *THROUGHPUT_OVERRIDES)
+  runs = {label: {'loc_opt': [], 'exogym': [], 'stacked': []}
+          for label in SIZES}
+  for r in range(repeats):
+    for label in SIZES:
+      run = runs[label]
+      run['loc_opt'].append(_launcher_tokens_per_s(
+          workdir / 'sizes' / label / str(r), (*base, *_size_args(label)),
+          ''))
+      if exogym_python:
+        run['exogym'].append(_exogym_tokens_per_s(exogym_python, label,
+                                                  steps))
+      if stacked:
+        run['stacked'].append(_launcher_tokens_per_s(
+            workdir / 'stacked' / label / str(r),
+            (*base, *_size_args(label), *STACKED_ARGS), ''))
+      print(f'{label}, round {r + 1}: ' + ', '.join(
+          f'{k} {v[-1]["tokens_per_s"]:,.0f} tok/s'
+          for k, v in run.items() if v), flush=True)
   sizes = {}
-  for label in SIZES:
-    row = _launcher_tokens_per_s(workdir / 'sizes' / label,
-                                 (*base, *_size_args(label)), '')
-    if exogym_python:
-      row['exogym'] = _exogym_tokens_per_s(exogym_python, label, steps)
-    if stacked:
-      row['stacked'] = _launcher_tokens_per_s(
-          workdir / 'stacked' / label,
-          (*base, *_size_args(label), *STACKED_ARGS), '')
+  for label, run in runs.items():
+    row = _median_run(run['loc_opt'])
+    for key in ('exogym', 'stacked'):
+      if run[key]:
+        row[key] = _median_run(run[key])
     sizes[label] = row
-    print(f'{label}: loc_opt {row["tokens_per_s"]:,.0f} tok/s'
-          + (f', exogym {row["exogym"]["tokens_per_s"]:,.0f} tok/s'
-             if exogym_python else '')
-          + (f', stacked on one device {row["stacked"]["tokens_per_s"]:,.0f}'
-             ' tok/s' if stacked else ''), flush=True)
   lever_rows = {}
   for i, name in enumerate(levers):
     xla_flags, extra = LEVERS[name]
@@ -203,7 +232,7 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
     print(f'{LEVER_SIZE}, {name}: '
           f'{lever_rows[name]["tokens_per_s"]:,.0f} tok/s', flush=True)
   return {'steps': steps, 'sync_every': 10, 'lever_size': LEVER_SIZE,
-          'sizes': sizes, 'levers': lever_rows}
+          'repeats': repeats, 'sizes': sizes, 'levers': lever_rows}
 
 
 def step_time() -> dict:
@@ -258,7 +287,7 @@ def main(argv):
         config_flags.get_config_filename(flags.FLAGS['config']),
         _THROUGHPUT_STEPS.value,
         pathlib.Path(_WORKDIR.value or '/tmp/step_time') / 'throughput',
-        levers, _EXOGYM_PYTHON.value, _STACKED.value)
+        levers, _EXOGYM_PYTHON.value, _STACKED.value, _REPEATS.value)
   markdown = tables.benchmark_step_time_all({'results': result})
   if _WORKDIR.value:
     _runs.write(_WORKDIR.value, 'benchmark_step_time', markdown, result)

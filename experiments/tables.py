@@ -285,11 +285,14 @@ def step_time_throughput(data: dict[str, Any]) -> str:
     if exo:
       head += ' stacked / exogym |'
       rule += '---:|'
+  repeats = r.get('repeats', 1)
   lines = [f'4 workers, H = {r["sync_every"]}, {r["steps"]} steps per run, '
            'median of the 10-step windows after the first; loc_opt at the '
            'default layout (4 workers x 2 devices, 8 devices)'
            + (', exogym, then loc_opt with the workers stacked on one '
-              'device, one after another' if stacked else '') + '.', '',
+              'device, one after another' if stacked else '')
+           + (f'; {repeats} rounds of these runs, each figure the median '
+              'of its rounds' if repeats > 1 else '') + '.', '',
            head, rule]
   for label, row in r['sizes'].items():
     cells = [label, f'{row["num_params"]:,}', f'{row["tokens_per_s"]:,.0f}']
@@ -304,7 +307,25 @@ def step_time_throughput(data: dict[str, Any]) -> str:
                  / row['exogym']['tokens_per_s'])
         cells.append(f'{ratio:.2f}')
     lines.append('| ' + ' | '.join(cells) + ' |')
+  if repeats > 1 and exo:
+    lines.append('')
+    lines.append('Ratios to exogym round by round, default layout (stacked): '
+                 + '; '.join(_round_ratios(label, row, stacked)
+                             for label, row in r['sizes'].items()) + '.')
   return '\n'.join(lines) + '\n'
+
+
+def _round_ratios(label: str, row: dict[str, Any], stacked: bool) -> str:
+  """``label a, b, c`` (and ``; x, y, z`` stacked): each round's loc_opt
+  tokens/s over the same round's exogym tokens/s."""
+  exo = row['exogym']['rounds_tokens_per_s']
+  text = f'{label} ' + ', '.join(
+      f'{a / e:.2f}' for a, e in zip(row['rounds_tokens_per_s'], exo))
+  if stacked:
+    text += ' (' + ', '.join(
+        f'{a / e:.2f}' for a, e in
+        zip(row['stacked']['rounds_tokens_per_s'], exo)) + ')'
+  return text
 
 
 def step_ab_main(data: dict[str, Any]) -> str:

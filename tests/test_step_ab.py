@@ -43,3 +43,23 @@ def test_bad_variants_are_refused_by_name():
   proc = _run('--variant=a=', '--variant=b=model.hidden', timeout=120)
   assert proc.returncode != 0 and "'model.hidden' is not FIELD=VALUE" in (
       proc.stderr)
+
+
+def test_throughput_table_gives_medians_and_round_ratios():
+  # experiments.benchmark_step_time --repeats: each figure the median of its
+  # rounds, and each round's ratio to the same round's exogym run.
+  from experiments import tables  # pylint: disable=g-import-not-at-top
+
+  def run(*rounds):
+    ordered = sorted(rounds)
+    return {'tokens_per_s': ordered[(len(ordered) - 1) // 2],
+            'num_params': 10, 'rounds_tokens_per_s': list(rounds)}
+
+  row = run(90.0, 100.0, 120.0) | {'exogym': run(50.0, 40.0, 60.0),
+                                   'stacked': run(100.0, 110.0, 80.0)}
+  text = tables.step_time_throughput({'results': {'throughput': {
+      'sync_every': 10, 'steps': 60, 'repeats': 3, 'sizes': {'459k': row},
+      'levers': {}}}})
+  assert '3 rounds of these runs' in text
+  assert '| 459k | 10 | 100 | 50 (10) | 2.00 | 100 | 2.00 |' in text
+  assert '459k 1.80, 2.50, 2.00 (2.00, 2.75, 1.33)' in text
