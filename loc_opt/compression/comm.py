@@ -63,6 +63,16 @@ class Comm:
     return tuple(a for a in self.spread_over
                  if a in names and mesh.shape[a] > 1)
 
+  def _replicated_inside(self) -> bool:
+    """Whether the worker's devices split only the batch (``data``): then
+    its parameters, and the trees averaged over workers, are whole on every
+    device of the worker. Under FSDP or tensor parallelism (``fsdp`` or
+    ``tensor`` of size > 1) they are split, and a buffer made whole on
+    every device would cost a full copy of the model per device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, 'axis_names', ()) or ()
+    return all(mesh.shape[a] == 1 for a in ('fsdp', 'tensor') if a in names)
+
   def inner_devices(self) -> int:
     """Devices per worker that values are spread over (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -119,17 +129,23 @@ class Comm:
     """Runs ``collective`` on ``x`` flattened and spread; ``x`` whole on
     every device of the worker afterwards.
 
-    Inside a ``shard_map`` manual over the worker's axes: each device
-    takes its slice of the (replicated) buffer, ``collective`` runs on the
-    slices, and one all-gather inside the worker puts the result back
-    together. Replicated in and out, so XLA's partitioner does not carry
-    the split into the computations around it (left to itself it computed
-    the optimizer updates on the halves of every leaf and gathered each
-    leaf back: 240 small collectives in the 853k LM's sync step).
+    Where the worker's devices split only the batch
+    (:meth:`_replicated_inside`), inside a ``shard_map`` manual over them:
+    each device takes its slice of the (replicated) buffer, ``collective``
+    runs on the slices, and one all-gather inside the worker puts the
+    result back together. Replicated in and out, so XLA's partitioner does
+    not carry the split into the computations around it (left to itself it
+    computed the optimizer updates on the halves of every leaf and gathered
+    each leaf back: 315 small collectives in the 853k LM's sync step).
+    Under FSDP or tensor parallelism the buffer stays spread (a sharding
+    constraint) and the partitioner places the rest.
     """
     axes = self.inner_axes()
     if not axes or x.size < 2:
       return collective(x)
+    if not self._replicated_inside():
+      flat = self.spread(x.reshape(-1))
+      return collective(flat)[:x.size].reshape(x.shape)
     devices = self.inner_devices()
     flat = pad_to(x.reshape(-1), devices)
     part = flat.size // devices
