@@ -93,7 +93,7 @@ class Comm:
     the payload it yields is already spread for :meth:`all_gather`.
     """
     axes = self.inner_axes()
-    flat = pad_to(flat, multiple * self.inner_devices())
+    flat = self.pad(flat, multiple)
     if axes:
       flat = jax.lax.with_sharding_constraint(flat, jax.P(axes))
     return flat
@@ -146,9 +146,8 @@ class Comm:
     if not self._replicated_inside():
       flat = self.spread(x.reshape(-1))
       return collective(flat)[:x.size].reshape(x.shape)
-    devices = self.inner_devices()
-    flat = pad_to(x.reshape(-1), devices)
-    part = flat.size // devices
+    flat = self.pad(x.reshape(-1))
+    part = flat.size // self.inner_devices()
 
     def body(full):
       index = jax.lax.axis_index(axes)

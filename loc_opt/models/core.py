@@ -247,6 +247,28 @@ def as_dtype(value: Any, field: str) -> jnp.dtype:
   return dtype
 
 
+def check_choice(value: str, values: Sequence[str], field: str) -> None:
+  """Raises a ``ValueError`` naming ``model.<field>`` unless ``value`` is one
+  of ``values``."""
+  if value not in values:
+    raise ValueError(f'model.{field} must be one of {list(values)}, got '
+                     f'{value!r}')
+
+
+def resolve_auto(value: str, values: Sequence[str], field: str,
+                 on_cpu: str) -> str:
+  """``value`` (checked by :func:`check_choice`), with ``'auto'`` resolved
+  to ``on_cpu`` on CPU backends and ``'xla'`` elsewhere.
+
+  ``'auto'`` asks for the default backend, so call it after the backend's
+  configuration (e.g. ``jax_num_cpu_devices``) is set.
+  """
+  check_choice(value, values, field)
+  if value == 'auto':
+    return on_cpu if jax.default_backend() == 'cpu' else 'xla'
+  return value
+
+
 def check_positive(config: Any, fields: Sequence[str]) -> None:
   """Raises a ``ValueError`` naming the first non-positive-int field."""
   for field in fields:

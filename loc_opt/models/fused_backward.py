@@ -27,11 +27,14 @@ References: Zhang & Sennrich, "Root Mean Square Layer Normalization"
 for the tanh approximation.
 """
 
+import functools
 import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from loc_opt.models import core
 
 # Model config values: 'auto' picks 'fused' on CPU backends, 'xla' elsewhere.
 BACKWARD = ('auto', 'xla', 'fused')
@@ -39,18 +42,13 @@ BACKWARD = ('auto', 'xla', 'fused')
 
 def check(backward: str) -> None:
   """Raises ``ValueError`` naming the field unless ``backward`` is valid."""
-  if backward not in BACKWARD:
-    raise ValueError(f'model.backward must be one of {list(BACKWARD)}, got '
-                     f'{backward!r}')
+  core.check_choice(backward, BACKWARD, 'backward')
 
 
 def resolve(backward: str) -> str:
   """``'xla'`` or ``'fused'`` for a config value of :data:`BACKWARD`
-  (``'auto'`` asks for the default backend)."""
-  check(backward)
-  if backward == 'auto':
-    return 'fused' if jax.default_backend() == 'cpu' else 'xla'
-  return backward
+  (``'auto'`` asks for the default backend: :func:`core.resolve_auto`)."""
+  return core.resolve_auto(backward, BACKWARD, 'backward', 'fused')
 
 
 def _rms_forward(x, scale, epsilon):
@@ -61,11 +59,9 @@ def _rms_forward(x, scale, epsilon):
   return x * (inv_rms * scale), inv_rms
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x, scale, epsilon):
   return _rms_forward(x, scale, epsilon)[0]
-
-
-_rms_norm = jax.custom_vjp(_rms_norm, nondiff_argnums=(2,))
 
 
 def _rms_norm_fwd(x, scale, epsilon):

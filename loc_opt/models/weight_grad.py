@@ -34,27 +34,21 @@ import functools
 import jax
 from jax import lax
 
+from loc_opt.models import core
+
 # Model config values: 'auto' picks 'narrow' on CPU backends, 'xla' elsewhere.
 WEIGHT_GRAD = ('auto', 'xla', 'narrow')
 
 
 def check(weight_grad: str) -> None:
   """Raises ``ValueError`` naming the field unless ``weight_grad`` is valid."""
-  if weight_grad not in WEIGHT_GRAD:
-    raise ValueError(f'model.weight_grad must be one of {list(WEIGHT_GRAD)}, '
-                     f'got {weight_grad!r}')
+  core.check_choice(weight_grad, WEIGHT_GRAD, 'weight_grad')
 
 
 def resolve(weight_grad: str) -> str:
-  """``'xla'`` or ``'narrow'`` for a config value of :data:`WEIGHT_GRAD`.
-
-  ``'auto'`` asks for the default backend, so call it after the backend's
-  configuration (e.g. ``jax_num_cpu_devices``) is set.
-  """
-  check(weight_grad)
-  if weight_grad == 'auto':
-    return 'narrow' if jax.default_backend() == 'cpu' else 'xla'
-  return weight_grad
+  """``'xla'`` or ``'narrow'`` for a config value of :data:`WEIGHT_GRAD`
+  (``'auto'`` asks for the default backend: :func:`core.resolve_auto`)."""
+  return core.resolve_auto(weight_grad, WEIGHT_GRAD, 'weight_grad', 'narrow')
 
 
 def _dense_dims(ndim: int) -> lax.DotDimensionNumbers:

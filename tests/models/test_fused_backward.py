@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loc_opt import models
 from loc_opt.models import attention
 from loc_opt.models import fused_backward
 from loc_opt.models import transformer as tfm
+# The 2-layer LM's loss and gradients (weight_grad first, then model fields).
+from tests.models.test_weight_grad import _grads as _lm_grads
 
 
 def _close(got, want, rtol=1e-5):
@@ -126,26 +127,15 @@ def test_rope_attention_forward_identical_gradients_close():
   assert not np.allclose(got[1], want[0], rtol=1e-2)
 
 
-def _model_grads(backward, **fields):
-  config = dict(name='transformer', d_model=32, num_layers=2, num_heads=4,
-                d_ff=96, max_len=32, backward=backward) | fields
-  model = models.build_model(config)
-  params = model.init(jax.random.key(0))
-  tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
-
-  def loss(p):
-    return models.lm_loss(model.apply(p, tokens[:, :-1]), tokens[:, 1:])
-
-  return jax.jit(jax.value_and_grad(loss))(params)
-
-
 @pytest.mark.parametrize('fields', [
     {}, {'weight_grad': 'xla'}, {'remat': 'dots'},
     {'scan_layers': True, 'remat': 'full'}],
     ids=['narrow', 'weight_grad_xla', 'remat_dots', 'scan_remat_full'])
 def test_model_gradients_match_jax_rules(fields):
-  loss_xla, g_xla = _model_grads('xla', **fields)
-  loss_fused, g_fused = _model_grads('fused', **fields)
+  fields = dict(fields)
+  weight_grad = fields.pop('weight_grad', 'auto')
+  loss_xla, g_xla = _lm_grads(weight_grad, backward='xla', **fields)
+  loss_fused, g_fused = _lm_grads(weight_grad, backward='fused', **fields)
   np.testing.assert_allclose(float(loss_fused), float(loss_xla), rtol=1e-6)
   assert jax.tree.structure(g_xla) == jax.tree.structure(g_fused)
   for a, b in zip(jax.tree.leaves(g_xla), jax.tree.leaves(g_fused)):
