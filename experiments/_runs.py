@@ -52,6 +52,11 @@ def step_report(tx, params, sync, mesh):
   return parallel.collective_bytes(compiled, mesh)
 
 
+# Issue 20's model sizes of the LM (experiments.benchmark_step_time,
+# experiments.profile_step): label -> (num_layers, d_model); the config's
+# other model fields (d_ff 512, 4 heads) are kept.
+LM_SIZES = {'459k': (2, 128), '853k': (4, 128), '1.48M': (4, 192)}
+
 # Sections of the DiLoCo family whose outer step does not fall back to
 # outer.learning_rate / outer.momentum when cleared (a sweep writes its grid
 # point into them; outer.eager_diloco's are cleared, so it reads the shared).

@@ -238,3 +238,47 @@ def inner_under_diloco_main(data: dict[str, Any]) -> str:
         f'{tables.format_bytes(r["cross_worker_bytes"])} | {r["syncs"]} | '
         f'{_train_time(data, name, r)} |')
   return '\n'.join(lines) + '\n'
+
+
+def profile_step_main(data: dict[str, Any]) -> str:
+  """Where the stacked inner step's time goes on one core, by category
+  (``experiments.profile_step``)."""
+  r = data['results']
+  sizes = r['sizes']
+  names = list(sizes)
+  lines = [
+      f'4 workers stacked on one CPU device, one core. Each category: its '
+      f'ops\' time per step in a `jax.profiler` trace of {r["steps"]} steps '
+      f'(time in which two ops ran at once shared between them) and its '
+      f'share of the traced step; matmul rows also give their GFLOP/s.', '',
+      '| | ' + ' | '.join(f'{n} ({sizes[n]["num_params"]:,} params)'
+                          for n in names) + ' |',
+      '|---|' + '---:|' * len(names)]
+
+  def row(label, cells):
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+
+  row('step on 1 core', [f'{sizes[n]["median_step_ms"]:.1f} ms'
+                         for n in names])
+  row('step on 1 core, traced', [f'{sizes[n]["traced_step_ms"]:.1f} ms'
+                                 for n in names])
+  row(f'step on {sizes[names[0]]["all_cpus"]} cores',
+      [f'{sizes[n]["all_cpus_median_step_ms"]:.1f} ms' for n in names])
+  for category in r['categories']:
+    cells = []
+    for n in names:
+      c = sizes[n]['categories'][category]
+      cell = f'{c["ms"]:.1f} ms ({100 * c["ms"] / sizes[n]["traced_step_ms"]:.0f}%)'
+      if c['gflop']:
+        cell += f', {c["gflop"] / c["ms"] * 1e3:.0f} GFLOP/s'
+      cells.append(cell)
+    row(category, cells)
+  row('matmul GFLOP per step', [
+      f'{sum(c["gflop"] for c in sizes[n]["categories"].values()):.1f}'
+      for n in names])
+  row('outside ops (dispatch, host)', [
+      f'{sizes[n]["traced_step_ms"] - sum(c["ms"] for c in sizes[n]["categories"].values()):.1f} ms'
+      for n in names])
+  row('a lone matmul of the MLP\'s shape', [
+      f'{sizes[n]["lone_matmul_gflops"]:.0f} GFLOP/s' for n in names])
+  return '\n'.join(lines) + '\n'

@@ -75,9 +75,7 @@ _EXOGYM_PYTHON = flags.DEFINE_string(
     'A Python with torch and exogym: also measure '
     'exogym at each size (experiments/reference/exogym_throughput.py).')
 
-# Issue 20's model sizes: label -> (num_layers, d_model); the config's
-# other model fields (d_ff 512, 4 heads) are kept.
-SIZES = {'459k': (2, 128), '853k': (4, 128), '1.48M': (4, 192)}
+SIZES = _runs.LM_SIZES
 
 
 def _size_args(label: str) -> tuple[str, ...]:

@@ -79,6 +79,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         '--results_name=step_ab_1480k', *_STEP_AB_ARGS,
         '--config.model.num_layers=4', '--config.model.d_model=192',
         *_STEP_AB_VARIANTS)),
+    # Where the stacked step's time goes on one core, by category (three
+    # sizes, two child processes each, minutes).
+    'profile_step': Benchmark('profile_step', ('--steps=10',)),
     'schedules': Benchmark('schedules', (), 'docs/benchmarks.md',
                            (('schedules.png', 'docs/figures/schedules.png'),)),
     'spikes': Benchmark('spikes', (), 'docs/benchmarks.md',

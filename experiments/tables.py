@@ -328,6 +328,11 @@ def _round_ratios(label: str, row: dict[str, Any], stacked: bool) -> str:
   return text
 
 
+def profile_step_main(data: dict[str, Any]) -> str:
+  """See ``_train_tables.profile_step_main``."""
+  return _train_tables.profile_step_main(data)
+
+
 def step_ab_main(data: dict[str, Any]) -> str:
   """Config variants of the inner step, timed alternately in one process
   (``experiments.step_ab``); speed against the first variant."""
@@ -439,6 +444,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('benchmark_step_time', 'levers'): step_time_levers,
     ('step_ab_853k', 'main'): step_ab_main,
     ('step_ab_1480k', 'main'): step_ab_main,
+    ('profile_step', 'main'): _train_tables.profile_step_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,

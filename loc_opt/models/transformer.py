@@ -234,9 +234,10 @@ def _norm(config: TransformerConfig, layer: nnx.RMSNorm, x: jax.Array
           ) -> jax.Array:
   """``layer(x)``, through ``fused_backward.rms_norm`` (the same forward,
   a one-pass backward) when ``config.fused()``."""
-  if config.fused():
-    return _fused.rms_norm(x, layer.scale[...], layer.epsilon)
-  return layer(x)
+  with jax.named_scope('rms_norm'):
+    if config.fused():
+      return _fused.rms_norm(x, layer.scale[...], layer.epsilon)
+    return layer(x)
 
 
 def _rms_norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -276,12 +277,13 @@ class Attention(nnx.Module):
 
     q, k, v = (heads(f(x)) for f in (self.query, self.key, self.value))
     weight_grad = _weight_grad.resolve(config.weight_grad)
-    if (config.attention == 'einsum' and weight_grad == 'narrow'
-        and config.fused()):
-      y = rope_attention(q, k, v, sin, cos)
-    else:
-      y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
-                 config.attention, weight_grad)
+    with jax.named_scope('attention_core'):
+      if (config.attention == 'einsum' and weight_grad == 'narrow'
+          and config.fused()):
+        y = rope_attention(q, k, v, sin, cos)
+      else:
+        y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
+                   config.attention, weight_grad)
     return self.out(heads(y).reshape(b, t, config.d_model))
 
 
@@ -305,9 +307,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     hidden = self.config.constrain(self.up(x), 'batch', 'length', 'mlp')
-    if self.config.fused():
-      return self.down(_fused.gelu_tanh(hidden))
-    return self.down(jax.nn.gelu(hidden, approximate=True))
+    with jax.named_scope('gelu'):
+      if self.config.fused():
+        hidden = _fused.gelu_tanh(hidden)
+      else:
+        hidden = jax.nn.gelu(hidden, approximate=True)
+    return self.down(hidden)
 
 
 class Block(nnx.Module):
@@ -443,14 +448,17 @@ class Transformer(nnx.Module):
     # element of q and k there (2% of the 853k LM's step on XLA:CPU).
     with jax.ensure_compile_time_eval():
       sin, cos = rope_tables(length, config.head_dim)
-    x = self.embed_tokens(tokens)
+    with jax.named_scope('embed'):
+      x = self.embed_tokens(tokens)
     if config.scan_layers:
       x = _scan_blocks(self.layers, x, sin, cos, config.remat)
     else:
       for i in range(config.num_layers):
         x = _call_block(getattr(self, f'layer_{i}'), x, sin, cos,
                         config.remat)
-    logits = self.head(_norm(config, self.final_norm, x)).astype(jnp.float32)
+    x = _norm(config, self.final_norm, x)
+    with jax.named_scope('head'):
+      logits = self.head(x).astype(jnp.float32)
     return config.constrain(logits, 'batch', 'length', 'vocab')
 
 

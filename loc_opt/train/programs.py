@@ -160,7 +160,8 @@ class Programs:
 def loss_fn(model: models.Model, params: Any, batch: jax.Array) -> jax.Array:
   """Next-token loss of ``params`` on a ``[..., seq_len + 1]`` batch."""
   logits = model.apply(params, batch[..., :-1])
-  return models.lm_loss(logits, batch[..., 1:])
+  with jax.named_scope('loss'):
+    return models.lm_loss(logits, batch[..., 1:])
 
 
 def batch_sharding(mesh, per_worker: bool) -> jax.NamedSharding:
@@ -223,22 +224,26 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
     loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
         pin(params), batch)
     grads = faults.inject(pin(grads), step, worker, nan_steps, nan_workers)
-    ok = jnp.isfinite(loss) & faults.all_finite(grads)
-    if not skippable:  # the step talks to other workers: send finite values
-      grads = faults.zero_if_not(ok, grads)
+    with jax.named_scope('non_finite_guard'):
+      ok = jnp.isfinite(loss) & faults.all_finite(grads)
+      if not skippable:  # the step talks to other workers: send finite values
+        grads = faults.zero_if_not(ok, grads)
     extra = {} if inputs is None else inputs(step, worker)
     if absent is not None and not skippable:
       extra['present'] = faults.present(step, worker, absent)
-    updates, new_state = tx.update(grads, opt_state, params, sync=sync,
-                                   **extra)
-    new_params = optax.apply_updates(params, updates)
-    if skippable:  # an inner step: skip it where it went bad
-      new_params = faults.keep_if(ok, new_params, params)
-      new_state = faults.keep_if(ok, new_state, opt_state,
-                                 shared_mask(method, new_state))
-    elif reset is not None:
-      new_params = faults.keep_if(faults.all_finite(new_params), new_params,
-                                  reset(new_state, new_params))
+    # Named scopes show in profiles (experiments.profile_step) and traces.
+    with jax.named_scope('optimizer'):
+      updates, new_state = tx.update(grads, opt_state, params, sync=sync,
+                                     **extra)
+      new_params = optax.apply_updates(params, updates)
+    with jax.named_scope('non_finite_guard'):
+      if skippable:  # an inner step: skip it where it went bad
+        new_params = faults.keep_if(ok, new_params, params)
+        new_state = faults.keep_if(ok, new_state, opt_state,
+                                   shared_mask(method, new_state))
+      elif reset is not None:
+        new_params = faults.keep_if(faults.all_finite(new_params),
+                                    new_params, reset(new_state, new_params))
     return new_params, new_state, faults.advance(counters, ok), loss
 
   return worker_step

@@ -1,0 +1,108 @@
+"""Tests for experiments.profile_step (where the CPU step's time goes)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import profile_step
+from experiments import tables
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_overlapping_ops_share_their_time():
+  # a alone for 10, a and b together for 10, b alone for 5; c never ran.
+  got = profile_step.shared_times([(0, 20, 'a'), (10, 25, 'b'),
+                                   (30, 30, 'c')])
+  assert got == {'a': 15.0, 'b': 10.0}
+  # Two events of the same op back to back, and one nested in another
+  # thread's op: the shares still add up to the busy time.
+  got = profile_step.shared_times([(0, 10, 'a'), (10, 20, 'a'),
+                                   (0, 20, 'b'), (5, 15, 'c')])
+  assert sum(got.values()) == pytest.approx(20.0)
+  assert got['b'] > got['c']
+
+
+def _compiled_text():
+  def f(x, w):
+    with jax.named_scope('attention_core'):
+      s = jax.nn.softmax(jnp.einsum('bqd,bkd->bqk', x, x))
+    with jax.named_scope('gelu'):
+      h = jax.nn.gelu(s @ x @ w, approximate=True)
+    with jax.named_scope('optimizer'):
+      return h * 0.5 + 1.0
+  x = jnp.ones((2, 16, 8))
+  w = jnp.ones((8, 32))
+  return jax.jit(f).lower(x, w).compile().as_text()
+
+
+def test_ops_are_sorted_into_matmuls_and_scopes_with_their_flops():
+  hlo = _compiled_text()
+  names = [m.group(1) for m in profile_step._INSTRUCTION.finditer(
+      hlo[hlo.index('ENTRY'):])]
+  rows = profile_step.categorize(hlo, {n: 1.0 for n in names})
+  assert list(rows) == list(profile_step.CATEGORIES)
+  # The scores (2 x 16 x 16 x 8 multiply-adds) are under attention_core;
+  # s @ x (2 x 16 x 8 x 16) and @ w (2 x 16 x 32 x 8), under gelu, are
+  # matmuls outside it.
+  assert rows['attention matmuls']['gflop'] * 1e9 == 2 * 2 * 16 * 16 * 8
+  assert rows['dense matmuls']['gflop'] * 1e9 == pytest.approx(
+      2 * 2 * 16 * 8 * 16 + 2 * 2 * 16 * 32 * 8)
+  # The softmax's other ops, GELU and the optimizer's arithmetic go by
+  # their scopes; every timed op lands in exactly one row.
+  assert rows['attention, other']['ops'] >= 1
+  assert rows['GELU']['ops'] >= 1
+  assert rows['optimizer and guard']['ops'] >= 1
+  assert sum(r['ops'] for r in rows.values()) == len(names)
+  assert sum(r['ms'] for r in rows.values()) == len(names)
+  extra = profile_step.categorize(hlo, {'ThunkExecutor::Execute': 5.0})
+  assert sum(r['ms'] for r in extra.values()) == 0
+
+
+def test_table_gives_each_category_per_size():
+  cats = {c: {'ms': 1.0, 'gflop': 0.0, 'ops': 1}
+          for c in profile_step.CATEGORIES}
+  cats['dense matmuls'] = {'ms': 10.0, 'gflop': 2.0, 'ops': 4}
+  size = {'median_step_ms': 20.0, 'traced_step_ms': 25.0,
+          'all_cpus_median_step_ms': 11.0, 'all_cpus': 2,
+          'num_params': 1000, 'categories': cats,
+          'lone_matmul_gflops': 250.0}
+  text = tables.profile_step_main({'results': {
+      'steps': 3, 'categories': profile_step.CATEGORIES,
+      'sizes': {'459k': size}}})
+  assert '| dense matmuls | 10.0 ms (40%), 200 GFLOP/s |' in text
+  assert '| step on 2 cores | 11.0 ms |' in text
+  # 25 traced - (10 + 7 x 1) in the categories
+  assert '| outside ops (dispatch, host) | 8.0 ms |' in text
+
+
+def test_profile_of_the_smallest_lm_is_written(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.profile_step', '--sizes=459k',
+       '--steps=2', f'--workdir={tmp_path}'],
+      cwd=_ROOT, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  written = json.loads((tmp_path / 'profile_step.json').read_text())
+  row = written['results']['sizes']['459k']
+  assert row['cpus'] == 1 and row['num_params'] == 459_392
+  cats = row['categories']
+  # The matmuls are found and hold most of the step's FLOPs.
+  assert cats['dense matmuls']['gflop'] > cats['attention matmuls'][
+      'gflop'] > 0
+  assert all(cats[c]['ms'] > 0 for c in ('RMSNorm', 'GELU',
+                                         'optimizer and guard'))
+  # The ops' shares add up to no more than the traced step.
+  assert sum(c['ms'] for c in cats.values()) <= row['traced_step_ms'] * 1.01
+  assert '| attention matmuls |' in proc.stdout
+
+
+def test_unknown_sizes_are_refused():
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.profile_step', '--sizes=9B'],
+      cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode != 0 and "unknown --sizes ['9B']" in proc.stderr
