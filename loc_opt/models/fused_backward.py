@@ -75,8 +75,13 @@ def _rms_norm_bwd(epsilon, residuals, g):
   x_hat = x * inv_rms
   g_scaled = g * scale
   # y_i = x_i r s_i with r = (mean_j x_j^2 + eps)^(-1/2), dr/dx_i = -r^3 x_i / n.
-  dx = inv_rms * (g_scaled - x_hat * jnp.mean(g_scaled * x_hat, axis=-1,
-                                              keepdims=True))
+  # The per-row mean is kept as an array of its own: otherwise XLA:CPU puts
+  # the whole dx into YNNPACK's reduction fusion, which takes no broadcast
+  # inside, and writes out r and the scale broadcast to x's full shape to
+  # feed it (two extra arrays per norm; same values either way).
+  mean = lax.optimization_barrier(
+      jnp.mean(g_scaled * x_hat, axis=-1, keepdims=True))
+  dx = inv_rms * (g_scaled - x_hat * mean)
   d_scale = jnp.sum(g * x_hat, axis=tuple(range(x.ndim - 1)))
   return dx, d_scale
 

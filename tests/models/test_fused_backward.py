@@ -84,18 +84,23 @@ def test_apply_rope_is_the_half_split_rotation():
       np.asarray(jax.jit(half_split)(x)))
 
 
-def test_causal_bias_masks_like_a_select():
+def test_causal_mask_gives_the_probabilities_of_a_select_and_of_a_bias():
   scores = jax.random.normal(jax.random.key(0), (2, 3, 16, 16))
   causal = jnp.tril(jnp.ones((16, 16), bool))
+  minimum = jnp.finfo(jnp.float32).min
 
-  def selected(s):  # the mask as a select, as earlier releases had it
-    return jax.nn.softmax(jnp.where(causal, s, jnp.finfo(jnp.float32).min),
-                          axis=-1)
+  def selected(s):  # a constant boolean mask, as earlier releases had it
+    return jax.nn.softmax(jnp.where(causal, s, minimum), axis=-1)
+
+  def biased(s):  # 0 below and on the diagonal, the minimum above, added
+    return jax.nn.softmax(s + jnp.where(causal, 0.0, minimum), axis=-1)
 
   probs = jax.jit(lambda s: attention._softmax_probs(s, False))(scores)
-  np.testing.assert_array_equal(np.asarray(probs),
-                                np.asarray(jax.jit(selected)(scores)))
+  for other in (selected, biased):
+    np.testing.assert_array_equal(np.asarray(probs),
+                                  np.asarray(jax.jit(other)(scores)))
   assert float(jnp.max(jnp.where(causal, 0.0, probs))) == 0.0
+  assert float(jnp.min(jnp.where(causal, probs, 1.0))) > 0.0
 
 
 def _rope_inputs(shape=(2, 16, 4, 8)):
