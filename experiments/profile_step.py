@@ -87,10 +87,9 @@ def _dims(text: str) -> list[int]:
   return [int(x) for x in text.split(',') if x]
 
 
-def _dot_flops(body: str) -> int:
-  """FLOPs of the dots in one computation's text (2 per multiply-add)."""
-  shapes = {m.group(1): _SHAPE.match(m.group(2))
-            for m in _INSTRUCTION.finditer(body)}
+def _dot_flops(body: str, shapes: dict[str, list[int]]) -> int:
+  """FLOPs of the dots in ``body`` (instructions' text; 2 per
+  multiply-add), their operands' dimensions looked up in ``shapes``."""
   total = 0
   for m in _INSTRUCTION.finditer(body):
     dot = re.match(r'\S+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\)(.*)',
@@ -102,15 +101,20 @@ def _dot_flops(body: str) -> int:
                             dot.group(3))
     if lhs is None or contracting is None:
       raise ValueError(f'cannot read the shapes of dot {m.group(1)}')
-    lhs_dims = _dims(lhs.group(1))
     k = 1
     for i in _dims(contracting.group(1)):
-      k *= lhs_dims[i]
+      k *= lhs[i]
     n = 1
     for d in _dims(dot.group(1)):
       n *= d
     total += 2 * n * k
   return total
+
+
+def _in_scope(scope: str, op_name: str) -> bool:
+  """Whether JAX's name stack ``op_name`` passes through named scope
+  ``scope`` (``.../jvp(scope)/...`` or ``.../scope/...``)."""
+  return re.search(rf'(^|[/(]){re.escape(scope)}([/)]|$)', op_name) is not None
 
 
 def categorize(hlo: str, op_ms: dict[str, float]) -> dict[str, dict]:
@@ -121,21 +125,29 @@ def categorize(hlo: str, op_ms: dict[str, float]) -> dict[str, dict]:
   events) are left out; see :data:`CATEGORIES` for the rows.
   """
   bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo)}
+  # Instruction names are unique in a module: every one's dimensions.
+  shapes = {}
+  for m in _INSTRUCTION.finditer(hlo):
+    shape = _SHAPE.match(m.group(2))
+    if shape:
+      shapes[m.group(1)] = _dims(shape.group(1))
   rows = {c: {'ms': 0.0, 'gflop': 0.0, 'ops': 0} for c in CATEGORIES}
   for m in _INSTRUCTION.finditer(hlo):
     name, rest = m.group(1), m.group(2)
     if name not in op_ms:
       continue
     called = re.search(r'calls=%([\w.\-]+)', rest)
-    body = bodies.get(called.group(1), '') if called else rest
-    flops = _dot_flops(body if called else f'%{name} = {rest}')
+    body = (bodies.get(called.group(1), '') if called
+            else f'%{name} = {rest}')
+    flops = _dot_flops(body, shapes)
     op_name = re.search(r'op_name="([^"]*)"', rest)
-    scope = op_name.group(1) if op_name else ''
+    stack = op_name.group(1) if op_name else ''
     if flops:
-      category = ('attention matmuls' if 'attention_core' in scope
+      category = ('attention matmuls' if _in_scope('attention_core', stack)
                   else 'dense matmuls')
     else:
-      category = next((c for s, c in _SCOPES if s in scope), 'other')
+      category = next((c for s, c in _SCOPES if _in_scope(s, stack)),
+                      'other')
     row = rows[category]
     row['ms'] += op_ms[name]
     row['gflop'] += flops / 1e9

@@ -64,6 +64,29 @@ def test_ops_are_sorted_into_matmuls_and_scopes_with_their_flops():
   assert sum(r['ms'] for r in extra.values()) == 0
 
 
+_UNFUSED = """HloModule m
+
+ENTRY %main (a: f32[3,5], b: f32[5,7]) -> f32[3,7] {
+  %a = f32[3,5]{1,0} parameter(0)
+  %b = f32[5,7]{1,0} parameter(1)
+  ROOT %dot.1 = f32[3,7]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/jvp(attention_core)/dot_general"}
+}
+"""
+
+
+def test_an_unfused_dot_reads_its_operands_shapes_from_the_module():
+  rows = profile_step.categorize(_UNFUSED, {'dot.1': 2.0})
+  assert rows['attention matmuls'] == {'ms': 2.0, 'gflop': 2 * 3 * 7 * 5 / 1e9,
+                                       'ops': 1}
+
+
+def test_scopes_match_whole_names_in_the_name_stack():
+  assert profile_step._in_scope('head', 'jit(step)/vmap(jvp(head))/dot')
+  assert profile_step._in_scope('loss', 'jit(step)/loss/exp')
+  assert not profile_step._in_scope('head', 'jit(step)/heads/transpose')
+  assert not profile_step._in_scope('embed', 'jit(step)/embedding/x')
+
+
 def test_table_gives_each_category_per_size():
   cats = {c: {'ms': 1.0, 'gflop': 0.0, 'ops': 1}
           for c in profile_step.CATEGORIES}
