@@ -1,4 +1,5 @@
-"""Tests for experiments.profile_step (where the CPU step's time goes)."""
+"""Tests for experiments.profile_step and its analysis, experiments._profile
+(where the CPU step's time goes)."""
 
 import json
 import pathlib
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import profile_step
+from experiments import _profile
 from experiments import tables
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -17,12 +18,12 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_overlapping_ops_share_their_time():
   # a alone for 10, a and b together for 10, b alone for 5; c never ran.
-  got = profile_step.shared_times([(0, 20, 'a'), (10, 25, 'b'),
+  got = _profile.shared_times([(0, 20, 'a'), (10, 25, 'b'),
                                    (30, 30, 'c')])
   assert got == {'a': 15.0, 'b': 10.0}
   # Two events of the same op back to back, and one nested in another
   # thread's op: the shares still add up to the busy time.
-  got = profile_step.shared_times([(0, 10, 'a'), (10, 20, 'a'),
+  got = _profile.shared_times([(0, 10, 'a'), (10, 20, 'a'),
                                    (0, 20, 'b'), (5, 15, 'c')])
   assert sum(got.values()) == pytest.approx(20.0)
   assert got['b'] > got['c']
@@ -43,10 +44,10 @@ def _compiled_text():
 
 def test_ops_are_sorted_into_matmuls_and_scopes_with_their_flops():
   hlo = _compiled_text()
-  names = [m.group(1) for m in profile_step._INSTRUCTION.finditer(
+  names = [m.group(1) for m in _profile.INSTRUCTION.finditer(
       hlo[hlo.index('ENTRY'):])]
-  rows = profile_step.categorize(hlo, {n: 1.0 for n in names})
-  assert list(rows) == list(profile_step.CATEGORIES)
+  rows = _profile.categorize(hlo, {n: 1.0 for n in names})
+  assert list(rows) == list(_profile.CATEGORIES)
   # The scores (2 x 16 x 16 x 8 multiply-adds) are under attention_core;
   # s @ x (2 x 16 x 8 x 16) and @ w (2 x 16 x 32 x 8), under gelu, are
   # matmuls outside it.
@@ -60,7 +61,7 @@ def test_ops_are_sorted_into_matmuls_and_scopes_with_their_flops():
   assert rows['optimizer and guard']['ops'] >= 1
   assert sum(r['ops'] for r in rows.values()) == len(names)
   assert sum(r['ms'] for r in rows.values()) == len(names)
-  extra = profile_step.categorize(hlo, {'ThunkExecutor::Execute': 5.0})
+  extra = _profile.categorize(hlo, {'ThunkExecutor::Execute': 5.0})
   assert sum(r['ms'] for r in extra.values()) == 0
 
 
@@ -75,28 +76,28 @@ ENTRY %main (a: f32[3,5], b: f32[5,7]) -> f32[3,7] {
 
 
 def test_an_unfused_dot_reads_its_operands_shapes_from_the_module():
-  rows = profile_step.categorize(_UNFUSED, {'dot.1': 2.0})
+  rows = _profile.categorize(_UNFUSED, {'dot.1': 2.0})
   assert rows['attention matmuls'] == {'ms': 2.0, 'gflop': 2 * 3 * 7 * 5 / 1e9,
                                        'ops': 1}
 
 
 def test_scopes_match_whole_names_in_the_name_stack():
-  assert profile_step._in_scope('head', 'jit(step)/vmap(jvp(head))/dot')
-  assert profile_step._in_scope('loss', 'jit(step)/loss/exp')
-  assert not profile_step._in_scope('head', 'jit(step)/heads/transpose')
-  assert not profile_step._in_scope('embed', 'jit(step)/embedding/x')
+  assert _profile._in_scope('head', 'jit(step)/vmap(jvp(head))/dot')
+  assert _profile._in_scope('loss', 'jit(step)/loss/exp')
+  assert not _profile._in_scope('head', 'jit(step)/heads/transpose')
+  assert not _profile._in_scope('embed', 'jit(step)/embedding/x')
 
 
 def test_table_gives_each_category_per_size():
   cats = {c: {'ms': 1.0, 'gflop': 0.0, 'ops': 1}
-          for c in profile_step.CATEGORIES}
+          for c in _profile.CATEGORIES}
   cats['dense matmuls'] = {'ms': 10.0, 'gflop': 2.0, 'ops': 4}
   size = {'median_step_ms': 20.0, 'traced_step_ms': 25.0,
           'all_cpus_median_step_ms': 11.0, 'all_cpus': 2,
           'num_params': 1000, 'categories': cats,
           'lone_matmul_gflops': 250.0}
   text = tables.profile_step_main({'results': {
-      'steps': 3, 'categories': profile_step.CATEGORIES,
+      'steps': 3, 'categories': _profile.CATEGORIES,
       'sizes': {'459k': size}}})
   assert '| dense matmuls | 10.0 ms (40%), 200 GFLOP/s |' in text
   assert '| step on 2 cores | 11.0 ms |' in text

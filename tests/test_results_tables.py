@@ -197,7 +197,7 @@ def test_every_benchmark_module_exists_and_names_its_page():
 def test_every_benchmark_writes_a_results_file():
   """Every program under experiments/ but the launcher and the helpers
   writes its numbers through _runs.write (which adds the provenance)."""
-  helpers = {'__init__', '_runs', '_claims', '_ckpt_tables',
+  helpers = {'__init__', '_runs', '_claims', '_ckpt_tables', '_profile',
              '_compress_tables', '_fault_tables', '_sharding_tables',
              '_small_tables', '_train_tables', 'provenance', 'tables',
              'regenerate', 'train'}
