@@ -161,6 +161,10 @@ def main(argv):
     size, _, cpus = _CHILD.value.partition(':')
     print(json.dumps(_child(size, cpus, _CONFIG.value, _STEPS.value)))
     return
+  if _CONFIG.value.model.name != 'transformer':
+    raise app.UsageError(
+        f'profile_step sizes the Transformer LM; the config\'s model is '
+        f'{_CONFIG.value.model.name!r}')
   unknown = [s for s in _SIZES.value if s not in _runs.LM_SIZES]
   if unknown:
     raise app.UsageError(f'unknown --sizes {unknown}; known: '

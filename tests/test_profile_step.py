@@ -130,3 +130,12 @@ def test_unknown_sizes_are_refused():
       [sys.executable, '-m', 'experiments.profile_step', '--sizes=9B'],
       cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode != 0 and "unknown --sizes ['9B']" in proc.stderr
+
+
+def test_a_config_without_the_transformer_is_refused():
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.profile_step',
+       '--config=configs/diloco_lm.py:mlp'],
+      cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode != 0
+  assert "the config's model is 'mlp'" in proc.stderr
