@@ -213,6 +213,18 @@ def setup(cpu_devices: int) -> None:
   jax.config.update('jax_num_cpu_devices', cpu_devices)
 
 
+def inner_step(config: ml_collections.ConfigDict
+               ) -> tuple[Any, tuple[Any, Any, Any]]:
+  """``(experiment, (step, state, batch))``: the built experiment
+  (``loc_opt.train.experiment.build_experiment``), its compiled inner step
+  (as ``experiments.train`` runs it), a fresh state and the first training
+  batch."""
+  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
+  exp = exp_lib.build_experiment(config)
+  return exp, (exp.programs.steps[exp.plan.inner], exp.init_state(),
+               exp_lib.train_batch(exp, exp_lib.load_data(config), 0))
+
+
 def time_alternating(programs: dict[str, tuple[Any, Any, Any]], rounds: int,
                      block: int, warmup: int) -> dict[str, list[float]]:
   """Seconds of each step of each program, timed in alternating blocks.

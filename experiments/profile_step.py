@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 from absl import app
 from absl import flags
@@ -43,6 +42,7 @@ from ml_collections import config_flags
 
 from experiments import _profile
 from experiments import _runs
+from experiments import _train_tables
 from experiments import tables
 
 _SIZES = flags.DEFINE_list('sizes', list(_runs.LM_SIZES),
@@ -57,9 +57,10 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
 # Internal: the child process's size and CPUs ('one' or 'all').
 _CHILD = flags.DEFINE_string('child', '', 'Internal: SIZE:one or SIZE:all.')
 
+
 def _op_times(step, state, batch, steps: int, names: set[str]
-              ) -> tuple[dict, float, Any]:
-  """(instruction name -> ms per step, wall ms per traced step, state) from
+              ) -> tuple[dict, float]:
+  """(instruction name -> ms per step, wall ms per traced step) from
   a trace of ``steps`` steps: the ops among ``names`` on XLA's threads,
   overlapping time shared (``_profile.shared_times``)."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -80,7 +81,7 @@ def _op_times(step, state, batch, steps: int, names: set[str]
                         if e.name in names]
   op_ms = {name: ns / 1e6 / steps
            for name, ns in _profile.shared_times(intervals).items()}
-  return op_ms, wall_ms, state
+  return op_ms, wall_ms
 
 
 def _lone_matmul_gflops(d_model: int, d_ff: int, workers: int,
@@ -107,23 +108,14 @@ def _child(size: str, cpus: str, config, steps: int) -> dict:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
   _runs.setup(1)
   from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
   layers, d_model = _runs.LM_SIZES[size]
   config = cfg_lib.with_overrides(config, {
       'model.num_layers': layers, 'model.d_model': d_model,
       'mesh.simulate_workers': True, 'mesh.data': 1,
       'outer.method': 'diloco', 'outer.sync_every': 10})
-  exp = exp_lib.build_experiment(config)
-  step = exp.programs.steps[exp.plan.inner]
-  state = exp.init_state()
-  batch = exp_lib.train_batch(exp, exp_lib.load_data(config), 0)
-  times = []
-  for i in range(steps + 2):  # two untimed
-    t = time.perf_counter()
-    state, loss = step(state, batch)
-    loss.block_until_ready()
-    if i >= 2:
-      times.append(time.perf_counter() - t)
+  exp, (step, state, batch) = _runs.inner_step(config)
+  times = _runs.time_alternating({'step': (step, state, batch)}, rounds=1,
+                                 block=steps, warmup=2)['step']
   out = {'size': size, 'cpus': len(os.sched_getaffinity(0)),
          'median_step_ms': statistics.median(times) * 1e3,
          'tokens': config.batch_size * config.data.seq_len,
@@ -131,8 +123,9 @@ def _child(size: str, cpus: str, config, steps: int) -> dict:
   if cpus == 'one':
     hlo = step.as_text()
     names = {m.group(1) for m in _profile.INSTRUCTION.finditer(hlo)}
-    op_ms, out['traced_step_ms'], state = _op_times(step, state, batch,
-                                                    steps, names)
+    # The timed steps donated ``state``: the trace starts from a fresh one.
+    op_ms, out['traced_step_ms'] = _op_times(
+        step, exp.init_state(), batch, steps, names)
     out['categories'] = _profile.categorize(hlo, op_ms)
     out['lone_matmul_gflops'] = _lone_matmul_gflops(
         d_model, config.model.d_ff, config.mesh.workers,
@@ -178,7 +171,7 @@ def main(argv):
     one['all_cpus'] = every['cpus']
     results['sizes'][size] = one
   _runs.write(_WORKDIR.value, 'profile_step',
-              tables.profile_step_main({'results': results}), results)
+              _train_tables.profile_step_main({'results': results}), results)
 
 
 if __name__ == '__main__':

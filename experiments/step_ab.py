@@ -84,7 +84,6 @@ def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
   """Median step time and tokens/s of each variant's compiled inner step,
   timed in alternating blocks."""
   from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
-  from loc_opt.train import experiment as exp_lib  # pylint: disable=g-import-not-at-top
 
   programs, tokens = {}, {}
   for name, overrides in variants.items():
@@ -92,9 +91,7 @@ def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
       c = cfg_lib.with_overrides(config, overrides)
     except KeyError as e:
       raise ValueError(f'variant {name!r}: {e.args[0]}') from e
-    exp = exp_lib.build_experiment(c)
-    programs[name] = (exp.programs.steps[exp.plan.inner], exp.init_state(),
-                      exp_lib.train_batch(exp, exp_lib.load_data(c), 0))
+    programs[name] = _runs.inner_step(c)[1]
     tokens[name] = c.batch_size * c.data.seq_len
   times = _runs.time_alternating(programs, rounds, block, warmup)
   out = {}

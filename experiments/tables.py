@@ -328,11 +328,6 @@ def _round_ratios(label: str, row: dict[str, Any], stacked: bool) -> str:
   return text
 
 
-def profile_step_main(data: dict[str, Any]) -> str:
-  """See ``_train_tables.profile_step_main``."""
-  return _train_tables.profile_step_main(data)
-
-
 def step_ab_main(data: dict[str, Any]) -> str:
   """Config variants of the inner step, timed alternately in one process
   (``experiments.step_ab``); speed against the first variant."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import _profile
-from experiments import tables
+from experiments import _train_tables
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ def test_table_gives_each_category_per_size():
           'all_cpus_median_step_ms': 11.0, 'all_cpus': 2,
           'num_params': 1000, 'categories': cats,
           'lone_matmul_gflops': 250.0}
-  text = tables.profile_step_main({'results': {
+  text = _train_tables.profile_step_main({'results': {
       'steps': 3, 'categories': _profile.CATEGORIES,
       'sizes': {'459k': size}}})
   assert '| dense matmuls | 10.0 ms (40%), 200 GFLOP/s |' in text
