@@ -57,10 +57,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 2  # Data-parallel devices inside a worker.
   c.mesh.fsdp = 1  # Devices a worker's parameters are sharded over.
   c.mesh.tensor = 1  # Tensor-parallel devices inside a worker.
-  # True: the mesh.workers workers are stacked on every device (jax.vmap
-  # over a named worker axis) instead of each having its own devices, so M
-  # workers run on one GPU or CPU (data * fsdp * tensor = the devices).
-  # Same numerics; no collective crosses devices, so no bytes are measured.
+  # True: the mesh.workers workers are stacked on shared devices (jax.vmap
+  # over a named worker axis) instead of each having its own, so M workers
+  # run on one GPU or CPU. The devices form groups of data * fsdp * tensor;
+  # with one group every worker is on every device and no collective
+  # crosses devices (no bytes measured); with G groups (G dividing M, e.g.
+  # one per process: --local_processes) each holds M / G workers and only
+  # the syncs cross groups. Same numerics.
   c.mesh.simulate_workers = False
 
   c.model = ml_collections.ConfigDict()

@@ -23,8 +23,9 @@ Two parts (``--parts``, both by default):
   exogym runs the same model size, batch, H and optimizers right after each
   loc_opt run, so both are measured on the same machine in the same minutes.
   ``--repeats=R`` runs the sizes part R rounds (per size: loc_opt, exogym,
-  the stacked layout) and reports each figure's median over the rounds and
-  the ratios round by round: single runs spread by 5-20% here.
+  the stacked layout, the stacked layout in 2 local processes of one core
+  each, ``--local_processes=2``) and reports each figure's median over the
+  rounds and the ratios round by round: single runs spread by 5-20% here.
 
   python -m experiments.benchmark_step_time --config=configs/diloco_lm.py \
     [--steps=60] [--repeats=3] [--workdir=/tmp/step_time] \
@@ -70,6 +71,9 @@ _REPEATS = flags.DEFINE_integer(
 _STACKED = flags.DEFINE_boolean(
     'stacked', True, 'Also run each size with the 4 workers stacked on one '
     'CPU device (STACKED_ARGS), right after exogym.')
+_PROCESSES = flags.DEFINE_boolean(
+    'processes', True, 'Also run each size with the 4 workers stacked 2 '
+    'per process in 2 processes (PROCESSES_ARGS), last in each round.')
 _EXOGYM_PYTHON = flags.DEFINE_string(
     'exogym_python', os.environ.get('EXOGYM_PYTHON', ''),
     'A Python with torch and exogym: also measure '
@@ -104,6 +108,9 @@ LEVERS = {
     'workers stacked on 1 device (mesh.simulate_workers)': (
         '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=1',
              '--cpu_devices=1')),
+    'workers stacked in 2 processes of 1 device (local_processes=2)': (
+        '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=1',
+             '--cpu_devices=1', '--local_processes=2')),
     'workers stacked on 2 devices (mesh.simulate_workers, data 2)': (
         '', ('--config.mesh.simulate_workers=True', '--config.mesh.data=2',
              '--cpu_devices=2')),
@@ -124,6 +131,9 @@ LEVER_SIZE = '853k'
 # (mesh.simulate_workers), the fastest of the layouts in LEVERS here.
 STACKED_ARGS = ('--config.mesh.simulate_workers=True', '--config.mesh.data=1',
                 '--cpu_devices=1')
+# The third: the stacked workers in 2 processes of one core each (one group
+# of one device per process, 2 workers on each; loc_opt.train.local_launch).
+PROCESSES_ARGS = (*STACKED_ARGS, '--local_processes=2')
 EXOGYM_SCRIPT = (pathlib.Path(__file__).resolve().parent / 'reference'
                  / 'exogym_throughput.py')
 
@@ -182,10 +192,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 def throughput(config_path: str, steps: int, workdir: pathlib.Path,
                levers, exogym_python: str, stacked: bool = True,
-               repeats: int = 1) -> dict:
+               repeats: int = 1, processes: bool = True) -> dict:
   """The throughput part: ``repeats`` rounds of the sizes (per size the
-  default layout, exogym, the stacked layout, in that order), then
-  levers."""
+  default layout, exogym, the stacked layout, the stacked layout in 2
+  processes, in that order), then levers."""
   if repeats < 1:
     raise ValueError(f'--repeats must be >= 1, got {repeats}')
   if steps % 10 or steps < 30:
@@ -196,8 +206,10 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
     raise ValueError(f'unknown levers {unknown}; known: {sorted(LEVERS)}')
   base = (f'--config={config_path}', f'--config.num_steps={steps}',
           *THROUGHPUT_OVERRIDES)
-  runs = {label: {'loc_opt': [], 'exogym': [], 'stacked': []}
-          for label in SIZES}
+  runs = {label: {'loc_opt': [], 'exogym': [], 'stacked': [],
+                  'processes': []} for label in SIZES}
+  layouts = {'stacked': STACKED_ARGS if stacked else None,
+             'processes': PROCESSES_ARGS if processes else None}
   for r in range(repeats):
     for label in SIZES:
       run = runs[label]
@@ -207,17 +219,18 @@ def throughput(config_path: str, steps: int, workdir: pathlib.Path,
       if exogym_python:
         run['exogym'].append(_exogym_tokens_per_s(exogym_python, label,
                                                   steps))
-      if stacked:
-        run['stacked'].append(_launcher_tokens_per_s(
-            workdir / 'stacked' / label / str(r),
-            (*base, *_size_args(label), *STACKED_ARGS), ''))
+      for key, args in layouts.items():
+        if args is not None:
+          run[key].append(_launcher_tokens_per_s(
+              workdir / key / label / str(r),
+              (*base, *_size_args(label), *args), ''))
       print(f'{label}, round {r + 1}: ' + ', '.join(
           f'{k} {v[-1]["tokens_per_s"]:,.0f} tok/s'
           for k, v in run.items() if v), flush=True)
   sizes = {}
   for label, run in runs.items():
     row = _median_run(run['loc_opt'])
-    for key in ('exogym', 'stacked'):
+    for key in ('exogym', 'stacked', 'processes'):
       if run[key]:
         row[key] = _median_run(run[key])
     sizes[label] = row
@@ -285,7 +298,8 @@ def main(argv):
         config_flags.get_config_filename(flags.FLAGS['config']),
         _THROUGHPUT_STEPS.value,
         pathlib.Path(_WORKDIR.value or '/tmp/step_time') / 'throughput',
-        levers, _EXOGYM_PYTHON.value, _STACKED.value, _REPEATS.value)
+        levers, _EXOGYM_PYTHON.value, _STACKED.value, _REPEATS.value,
+        _PROCESSES.value)
   markdown = tables.benchmark_step_time_all({'results': result})
   if _WORKDIR.value:
     _runs.write(_WORKDIR.value, 'benchmark_step_time', markdown, result)

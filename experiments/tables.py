@@ -268,29 +268,44 @@ def step_time_main(data: dict[str, Any]) -> str:
       f'**{r["ratio_diloco_inner_over_dp"]:.3f}**.']) + '\n'
 
 
+# The layouts measured beside the default one: results key -> column name
+# and how the caption describes the runs.
+THROUGHPUT_LAYOUTS = {
+    'stacked': ('loc_opt stacked on 1 device',
+                'loc_opt with the workers stacked on one device'),
+    'processes': ('loc_opt stacked in 2 processes',
+                  'loc_opt with the workers stacked 2 per process in 2 '
+                  'processes of one core each (--local_processes=2)'),
+}
+
+
 def step_time_throughput(data: dict[str, Any]) -> str:
   """Tokens/s through the launcher at issue 20's sizes (and exogym's, and
-  with the workers stacked on one device where measured)."""
+  with the workers stacked on one device, or in 2 processes, where
+  measured)."""
   r = data['results']['throughput']
   exo = all('exogym' in row for row in r['sizes'].values())
-  stacked = all('stacked' in row for row in r['sizes'].values())
+  layouts = [k for k in THROUGHPUT_LAYOUTS
+             if all(k in row for row in r['sizes'].values())]
   head = '| model | params | loc_opt tok/s |'
   rule = '|---|---:|---:|'
   if exo:
     head += ' exogym tok/s (its params) | loc_opt / exogym |'
     rule += '---:|---:|'
-  if stacked:
-    head += ' loc_opt stacked on 1 device tok/s |'
+  for key in layouts:
+    head += f' {THROUGHPUT_LAYOUTS[key][0]} tok/s |'
     rule += '---:|'
     if exo:
-      head += ' stacked / exogym |'
+      head += f' {key} / exogym |'
       rule += '---:|'
   repeats = r.get('repeats', 1)
+  order = ['loc_opt at the default layout (4 workers x 2 devices, 8 '
+           'devices)'] + (['exogym'] if exo else []) + [
+               THROUGHPUT_LAYOUTS[k][1] for k in layouts]
   lines = [f'4 workers, H = {r["sync_every"]}, {r["steps"]} steps per run, '
-           'median of the 10-step windows after the first; loc_opt at the '
-           'default layout (4 workers x 2 devices, 8 devices)'
-           + (', exogym, then loc_opt with the workers stacked on one '
-              'device, one after another' if stacked else '')
+           'median of the 10-step windows after the first; '
+           + ', then '.join(order)
+           + (', one after another' if len(order) > 1 else '')
            + (f'; {repeats} rounds of these runs, each figure the median '
               'of its rounds' if repeats > 1 else '') + '.', '',
            head, rule]
@@ -300,31 +315,31 @@ def step_time_throughput(data: dict[str, Any]) -> str:
       e = row['exogym']
       cells += [f'{e["tokens_per_s"]:,.0f} ({e["num_params"]:,})',
                 f'{row["tokens_per_s"] / e["tokens_per_s"]:.2f}']
-    if stacked:
-      cells.append(f'{row["stacked"]["tokens_per_s"]:,.0f}')
+    for key in layouts:
+      cells.append(f'{row[key]["tokens_per_s"]:,.0f}')
       if exo:
-        ratio = (row['stacked']['tokens_per_s']
-                 / row['exogym']['tokens_per_s'])
-        cells.append(f'{ratio:.2f}')
+        cells.append(
+            f'{row[key]["tokens_per_s"] / row["exogym"]["tokens_per_s"]:.2f}')
     lines.append('| ' + ' | '.join(cells) + ' |')
   if repeats > 1 and exo:
     lines.append('')
-    lines.append('Ratios to exogym round by round, default layout (stacked): '
-                 + '; '.join(_round_ratios(label, row, stacked)
+    lines.append('Ratios to exogym round by round, default layout'
+                 + ''.join(f' ({k})' for k in layouts) + ': '
+                 + '; '.join(_round_ratios(label, row, layouts)
                              for label, row in r['sizes'].items()) + '.')
   return '\n'.join(lines) + '\n'
 
 
-def _round_ratios(label: str, row: dict[str, Any], stacked: bool) -> str:
-  """``label a, b, c`` (and ``; x, y, z`` stacked): each round's loc_opt
-  tokens/s over the same round's exogym tokens/s."""
+def _round_ratios(label: str, row: dict[str, Any], layouts) -> str:
+  """``label a, b, c`` (and ``(x, y, z)`` for each of ``layouts``): each
+  round's loc_opt tokens/s over the same round's exogym tokens/s."""
   exo = row['exogym']['rounds_tokens_per_s']
   text = f'{label} ' + ', '.join(
       f'{a / e:.2f}' for a, e in zip(row['rounds_tokens_per_s'], exo))
-  if stacked:
+  for key in layouts:
     text += ' (' + ', '.join(
         f'{a / e:.2f}' for a, e in
-        zip(row['stacked']['rounds_tokens_per_s'], exo)) + ')'
+        zip(row[key]['rounds_tokens_per_s'], exo)) + ')'
   return text
 
 

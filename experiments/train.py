@@ -26,6 +26,15 @@ On the CPU, cross-process collectives use gloo; each process creates
     --coordinator_address=localhost:12345 --num_processes=2 --process_id=0
   (the same with --process_id=1)
 
+``--local_processes=N`` starts those N processes itself on this machine,
+each pinned to its share of the CPU cores (``loc_opt.train.local_launch``);
+with the workers stacked in one group of devices per process it is the
+fastest way to simulate DiLoCo on a CPU box (``docs/benchmarks.md``)::
+
+  python -m experiments.train --config=configs/diloco_lm.py --workdir=DIR \
+    --config.mesh.simulate_workers=True --config.mesh.data=1 \
+    --cpu_devices=1 --local_processes=2
+
 On a machine without a GPU/TPU plugin, ``--reuse_host_memory=auto``
 (default) keeps freed host memory for reuse (``loc_opt.parallel.host_memory``),
 so that XLA:CPU does not map and zero-fill each step's temporary buffer
@@ -34,6 +43,7 @@ afresh: 1.46x the tokens/s of the 853k reference LM on 2 cores
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -65,6 +75,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     'num_processes', None, 'Processes in the run.')
 _PROCESS_ID = flags.DEFINE_integer(
     'process_id', None, 'This process: 0 .. num_processes - 1.')
+_LOCAL_PROCESSES = flags.DEFINE_integer(
+    'local_processes', 1,
+    'Run as this many processes on this machine, joined by '
+    'jax.distributed on a free localhost port, each pinned to its share of '
+    'the CPU cores (loc_opt.train.local_launch); the CPU only. Each creates '
+    '--cpu_devices devices.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -102,9 +118,37 @@ def initialize_processes(jax) -> None:
   jax.distributed.initialize(**kwargs)
 
 
+def launch_locally(num_processes: int) -> int:
+  """Runs this command as ``num_processes`` local processes; their exit
+  code (``loc_opt.train.local_launch.run``)."""
+  if num_processes < 1:
+    raise app.UsageError(f'--local_processes={num_processes} must be >= 1')
+  given = [f'--{f.name}' for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)
+           if f.present]
+  if given:
+    raise app.UsageError(f'--local_processes starts the processes and sets '
+                         f'their layout itself; drop {", ".join(given)}')
+  if _DISTRIBUTED.value == 'off':
+    raise app.UsageError('--local_processes joins its processes with '
+                         'jax.distributed, which --distributed=off forbids')
+  from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top
+  if (host_memory.accelerator_installed()
+      and os.environ.get('JAX_PLATFORMS') != 'cpu'):
+    raise app.UsageError(
+        '--local_processes runs every process on the CPU, but a GPU/TPU '
+        'plugin is installed: set JAX_PLATFORMS=cpu, or start one process '
+        'per accelerator host (docs/multihost.md)')
+  from loc_opt.train import local_launch  # pylint: disable=g-import-not-at-top
+  return local_launch.run(
+      [sys.executable, '-m', 'experiments.train', *sys.argv[1:],
+       '--local_processes=1'], num_processes)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _LOCAL_PROCESSES.value != 1:
+    sys.exit(launch_locally(_LOCAL_PROCESSES.value))
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # Quiet JAX's backend probing.
   from loc_opt.parallel import host_memory  # pylint: disable=g-import-not-at-top

@@ -39,22 +39,30 @@ def _normalize(axes: AxisSpec | Sequence[AxisSpec], n: int, what: str):
   return axes
 
 
-def _one_worker(fn, axis_name, in_axes, out_axes):
-  """:func:`shard_map_workers` for a worker axis of size 1.
+def _stacked(fn, axis_name, in_axes, out_axes):
+  """``fn`` under ``jax.vmap`` over the whole stacked worker axis.
 
-  A collective over a size-1 manual axis reaches XLA's SPMD partitioner as
-  a cross-partition all-reduce outside manual mode, which it rejects
-  ("Cross-partition allreduce must be in (partial) manual partitioning
-  mode"), for every method that averages over workers. With one worker
-  every such collective is the identity, so ``fn`` runs under ``jax.vmap``
-  over the size-1 worker axis instead (its collectives bind the axis name
-  and reduce over one element), and GSPMD shards the model inside the
-  worker as before.
+  Serves two layouts. With a worker mesh axis of size 1, a collective over a
+  size-1 manual axis would reach XLA's SPMD partitioner as a cross-partition
+  all-reduce outside manual mode, which it rejects ("Cross-partition
+  allreduce must be in (partial) manual partitioning mode"), for every
+  method that averages over workers; with one worker every such collective
+  is the identity, so ``fn`` runs under ``jax.vmap`` over the size-1 worker
+  axis instead (its collectives bind the axis name and reduce over one
+  element), and GSPMD shards the model inside the worker as before. With
+  ``stacked`` workers (:func:`shard_map_workers`), the leading axis holds
+  all M workers split over the G devices groups of the worker mesh axis:
+  ``jax.vmap`` sees all M, each collective over ``axis_name`` becomes an
+  operation along that axis, and GSPMD keeps each group's M / G workers on
+  the group's devices, so only the collectives cross groups. The vmap's
+  ``spmd_axis_name`` keeps sharding constraints inside ``fn`` off the
+  worker axis.
   """
 
   def mapped(*args):
     ins = _normalize(in_axes, len(args), 'in_axes')
-    out = jax.vmap(fn, in_axes=ins, out_axes=0, axis_name=axis_name)(*args)
+    out = jax.vmap(fn, in_axes=ins, out_axes=0, axis_name=axis_name,
+                   spmd_axis_name=axis_name)(*args)
     single = not isinstance(out, tuple)
     outs = (out,) if single else out
     o_axes = _normalize(out_axes, len(outs), 'out_axes')
@@ -111,6 +119,7 @@ def shard_map_workers(
     axis_name: str = mesh_lib.WORKER,
     in_axes: AxisSpec | Sequence[AxisSpec] = 0,
     out_axes: AxisSpec | Sequence[AxisSpec] = 0,
+    stacked: bool = False,
 ) -> Callable[..., Any]:
   """Runs ``fn`` once per worker under ``jax.shard_map`` over ``axis_name``.
 
@@ -126,6 +135,11 @@ def shard_map_workers(
     in_axes: as in :func:`vmap_workers`.
     out_axes: as in :func:`vmap_workers`. Outputs mapped with ``None`` must be
       the same on every worker (e.g. the result of a ``pmean``).
+    stacked: the leading axis holds M workers stacked over the G groups of
+      devices along ``axis_name`` (M / G workers on each group, G dividing
+      M; simulated workers, ``mesh.simulate_workers``): ``fn`` runs under
+      ``jax.vmap`` and GSPMD keeps each group's workers on its devices, so
+      only ``fn``'s collectives cross groups.
 
   Returns:
     The mapped function (wrap it in ``jax.jit``).
@@ -134,8 +148,8 @@ def shard_map_workers(
     raise ValueError(
         f'mesh axes {mesh.axis_names} have no worker axis {axis_name!r}'
     )
-  if mesh.shape[axis_name] == 1:
-    return _one_worker(fn, axis_name, in_axes, out_axes)
+  if stacked or mesh.shape[axis_name] == 1:
+    return _stacked(fn, axis_name, in_axes, out_axes)
   spec = {0: jax.P(axis_name), None: jax.P()}
 
   def mapped(*args):

@@ -40,8 +40,8 @@ from loc_opt.train.method import Method
 
 
 def simulates_workers(config: ml_collections.ConfigDict) -> bool:
-  """Whether ``config`` stacks its ``mesh.workers`` workers on every device
-  (``mesh.simulate_workers``) instead of giving each its own devices."""
+  """Whether ``config`` stacks its ``mesh.workers`` workers on shared
+  devices (``mesh.simulate_workers``) instead of giving each its own."""
   value = config.mesh.get('simulate_workers', False)
   if not isinstance(value, bool):
     raise ValueError(f'mesh.simulate_workers must be True or False, got '
@@ -49,18 +49,33 @@ def simulates_workers(config: ml_collections.ConfigDict) -> bool:
   return value
 
 
+def worker_groups(config: ml_collections.ConfigDict, num_devices: int) -> int:
+  """The size of the mesh's worker axis for ``num_devices`` devices:
+  ``mesh.workers``, or with ``mesh.simulate_workers`` the groups of
+  ``mesh.data * mesh.fsdp * mesh.tensor`` devices the stacked workers are
+  split over (one group: all workers on every device; G groups, e.g. one
+  per process: ``mesh.workers / G`` stacked on each)."""
+  m = config.mesh
+  if not simulates_workers(config):
+    return m.workers
+  return num_devices // (m.data * m.fsdp * m.tensor)
+
+
 def _check_mesh(config, num_devices: int) -> None:
   m = config.mesh
   for name in ('workers', 'data', 'fsdp', 'tensor'):
     _checks.positive_int(m[name], f'mesh.{name}', arrays=True)
   if simulates_workers(config):
-    shape = m.data * m.fsdp * m.tensor
-    if shape != num_devices:
+    group = m.data * m.fsdp * m.tensor
+    groups = worker_groups(config, num_devices)
+    if num_devices % group or m.workers % groups:
       raise ValueError(
           f'mesh.simulate_workers=True stacks the {m.workers} workers on '
-          f'every device, so mesh.data * mesh.fsdp * mesh.tensor = {m.data} '
-          f'* {m.fsdp} * {m.tensor} = {shape} must equal the {num_devices} '
-          'devices.')
+          f'groups of mesh.data * mesh.fsdp * mesh.tensor = {m.data} * '
+          f'{m.fsdp} * {m.tensor} = {group} devices, so the {num_devices} '
+          f'devices must form a number of groups that divides the '
+          f'{m.workers} workers (1 group: every worker on every device; G: '
+          f'{m.workers} / G workers on each group).')
     if cfg_lib.state_layout(config) == 'sharded':
       raise ValueError("outer.state_layout='sharded' splits the outer state "
                        'over the workers\' devices, which '
@@ -74,7 +89,7 @@ def _check_mesh(config, num_devices: int) -> None:
         f'{m.data} * {m.fsdp} * {m.tensor} = {shape}, but there are '
         f'{num_devices} devices; the worker count must divide the devices '
         'and the product must equal them (or set mesh.simulate_workers=True '
-        'to stack the workers on every device).')
+        'to stack the workers on shared devices).')
 
 
 def _check_batches(config, num_devices: int) -> None:
@@ -95,11 +110,12 @@ def _check_batches(config, num_devices: int) -> None:
   if eval_batch % num_devices:
     raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
                      f'across the {num_devices} devices')
-  if simulates_workers(config) and eval_batch % (m.workers * num_devices):
+  group = m.data * m.fsdp * m.tensor
+  if simulates_workers(config) and eval_batch % (m.workers * group):
     raise ValueError(
         f'data.eval_batch_size={eval_batch} must divide across the '
-        f'{m.workers} simulated workers x {num_devices} devices (each '
-        'worker evaluates its slice on every device)')
+        f'{m.workers} simulated workers x {group} devices (each worker '
+        'evaluates its slice on every device of its group)')
   # A model with positions has a longest sequence (the MLP has none).
   max_len = config.model.get('max_len')
   if max_len is not None and config.data.seq_len > max_len:
@@ -360,8 +376,8 @@ def build_experiment(config: ml_collections.ConfigDict,
   """Validates ``config`` and builds and compiles everything but the data."""
   validate_config(config, jax.device_count() if mesh is None else mesh.size)
   if mesh is None:
-    workers = 1 if simulates_workers(config) else config.mesh.workers
-    mesh = parallel.make_worker_mesh(workers, config.mesh.data,
+    groups = worker_groups(config, jax.device_count())
+    mesh = parallel.make_worker_mesh(groups, config.mesh.data,
                                      config.mesh.fsdp, config.mesh.tensor)
   state_layout = cfg_lib.state_layout(config)
   model = models.build_model(config.model)

@@ -20,6 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from loc_opt import parallel
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
@@ -250,9 +251,11 @@ def _summary(exp, config, counters, logger, workdir, compile_s
       'train_seconds_this_run': logger.train_time,
   }
   if exp_lib.simulates_workers(config):
-    # The workers share devices: no collective crosses a worker boundary,
-    # so the byte counts above are zeros, not measurements.
+    # The workers share devices: the byte counts above are what crosses
+    # between their groups of devices (zeros for one group), not between
+    # workers.
     summary['simulated_workers'] = config.mesh.workers
+    summary['worker_groups'] = exp.mesh.shape[parallel.WORKER]
   init_from = config.get('init_from')
   if init_from is not None and init_from.get('workdir'):
     summary['init_from'] = {'workdir': str(init_from.workdir),
@@ -364,9 +367,15 @@ def format_summary(summary: dict[str, Any]) -> str:
       f'final eval loss: {summary["final_eval_loss"]:.4f}',
   ]
   if summary.get('simulated_workers'):
-    lines.append(f'cross-worker bytes: not measured ({summary["syncs"]} '
-                 f'syncs; the {summary["simulated_workers"]} workers were '
-                 'simulated on shared devices, mesh.simulate_workers)')
+    groups = summary.get('worker_groups', 1)
+    stacked = (f'the {summary["simulated_workers"]} workers were simulated '
+               'on shared devices, mesh.simulate_workers')
+    if groups == 1:
+      lines.append(f'cross-worker bytes: not measured ({summary["syncs"]} '
+                   f'syncs; {stacked})')
+    else:
+      lines.append(f'bytes between the {groups} groups of devices: '
+                   f'{fb(moved)} ({summary["syncs"]} syncs; {stacked})')
     return '\n'.join(lines)
   lines += [
       f'cross-worker bytes moved: {fb(moved)} ({summary["syncs"]} syncs)',

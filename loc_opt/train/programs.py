@@ -164,6 +164,12 @@ def loss_fn(model: models.Model, params: Any, batch: jax.Array) -> jax.Array:
     return models.lm_loss(logits, batch[..., 1:])
 
 
+def _stacked(config) -> bool:
+  """Whether the workers are stacked on shared devices
+  (``mesh.simulate_workers``, checked by ``train.validate_config``)."""
+  return config.mesh.get('simulate_workers', False)
+
+
 def batch_sharding(mesh, per_worker: bool) -> jax.NamedSharding:
   """Batches: ``[workers, rows, len]`` split over workers and the batch axes
   inside them, or ``[rows, len]`` split over all of them."""
@@ -276,7 +282,8 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
     run = functools.partial(worker_step, sync=sync, skippable=skippable)
     if method.per_worker:
       run = parallel.shard_map_workers(run, mesh,
-                                       in_axes=(0, 0, 0, 0, None))
+                                       in_axes=(0, 0, 0, 0, None),
+                                       stacked=_stacked(config))
     params, opt_state, counters, loss = run(
         state['params'], state['opt_state'], state['faults'], batch,
         state['step'])
@@ -364,7 +371,8 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
   def worker_eval(params, opt_state, batch):
     return loss_fn(model, eval_params(opt_state, params), batch)
 
-  per_worker = (functools.partial(parallel.shard_map_workers, mesh=mesh)
+  per_worker = (functools.partial(parallel.shard_map_workers, mesh=mesh,
+                                  stacked=_stacked(config))
                 if method.per_worker else lambda fn: fn)
   eval_sharding = batch_sharding(mesh, method.per_worker)
   eval_run = per_worker(worker_eval)

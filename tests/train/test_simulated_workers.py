@@ -1,10 +1,12 @@
 """``mesh.simulate_workers``: M workers stacked on shared devices train
 exactly as M workers on their own devices.
 
-With it the mesh's worker axis has size 1, and
-``loc_opt.parallel.shard_map_workers`` runs such an axis under ``jax.vmap``
-with the axis name, so the stacked workers' collectives reduce over the
-stack instead of crossing devices.
+With it the mesh's worker axis holds the G groups of devices the workers
+are stacked over (``mesh.data * mesh.fsdp * mesh.tensor`` devices each), and
+``loc_opt.parallel.shard_map_workers(..., stacked=True)`` runs the worker
+function under ``jax.vmap`` with the axis name: with one group the stacked
+workers' collectives reduce over the stack and cross no device; with G,
+GSPMD keeps M / G workers on each group and only the collectives cross.
 """
 
 import os
@@ -32,22 +34,28 @@ OTHERS = ['noloco', 'streaming_diloco', 'eager_diloco', 'co2', 'sparseloco',
 def _check(data_dir, tmp_path, method):
   summaries = []
   for layout in ({'mesh.data': 2},
-                 {'mesh.simulate_workers': True, 'mesh.data': 8}):
+                 {'mesh.simulate_workers': True, 'mesh.data': 8},
+                 {'mesh.simulate_workers': True, 'mesh.data': 4}):
     config = tiny_config(data_dir, **{
         'mesh.workers': 4, 'outer.method': method, 'num_steps': 12,
         'batch_size': 32, 'data.eval_batch_size': 32, 'eval_every': 12,
         'checkpoint_every': 0, **CASES.get(method, {}), **layout})
     summaries.append(train.train_and_evaluate(
         config, tmp_path / str(len(summaries))))
-  real, simulated = summaries
-  assert real['finished'] and simulated['finished']
-  assert simulated['syncs'] == real['syncs']
+  real, one_group, two_groups = summaries
+  assert all(s['finished'] for s in summaries)
+  assert one_group['syncs'] == two_groups['syncs'] == real['syncs']
   assert real['syncs'] > 0 or method.endswith('data_parallel')
-  assert simulated['simulated_workers'] == 4
-  assert simulated['cross_worker_bytes'] == 0  # nothing crosses devices
   assert 'simulated_workers' not in real
-  np.testing.assert_allclose(simulated['final_eval_loss'],
-                             real['final_eval_loss'], rtol=1e-5)
+  for simulated, groups in ((one_group, 1), (two_groups, 2)):
+    assert simulated['simulated_workers'] == 4
+    assert simulated['worker_groups'] == groups
+    np.testing.assert_allclose(simulated['final_eval_loss'],
+                               real['final_eval_loss'], rtol=1e-5)
+  assert one_group['cross_worker_bytes'] == 0  # nothing crosses devices
+  if method == 'diloco':  # the inner steps stay inside each group
+    assert two_groups['bytes_per_phase']['False'] == 0
+    assert two_groups['cross_worker_bytes'] > 0
 
 
 @pytest.mark.slow
@@ -64,17 +72,22 @@ def test_every_other_method_too(data_dir, tmp_path, method):
   _check(data_dir, tmp_path, method)
 
 
-def test_simulated_workers_need_the_devices_inside_one_worker(data_dir):
-  config = tiny_config(data_dir, **{'mesh.workers': 4, 'mesh.data': 2,
+def test_simulated_workers_need_groups_that_divide_the_workers(data_dir):
+  config = tiny_config(data_dir, **{'mesh.workers': 4, 'mesh.data': 1,
                                     'mesh.simulate_workers': True,
                                     'batch_size': 32,
                                     'data.eval_batch_size': 32})
-  with pytest.raises(ValueError, match=r'stacks the 4 workers on every '
-                     r'device, so mesh.data \* mesh.fsdp \* mesh.tensor = 2'
-                     r' \* 1 \* 1 = 2 must equal the 8 devices'):
+  with pytest.raises(ValueError, match=r'stacks the 4 workers on groups of '
+                     r'mesh.data \* mesh.fsdp \* mesh.tensor = 1 \* 1 \* 1 '
+                     r'= 1 devices, so the 8 devices must form a number of '
+                     r'groups that divides the 4 workers'):
+    train.validate_config(config, 8)  # 8 groups
+  config.mesh.data = 3
+  with pytest.raises(ValueError, match='the 8 devices must form'):
+    train.validate_config(config, 8)  # 8 devices are no groups of 3
+  for data in (8, 4, 2):  # 1, 2 or 4 groups: 4, 2 or 1 worker(s) on each
+    config.mesh.data = data
     train.validate_config(config, 8)
-  config.mesh.data = 8
-  train.validate_config(config, 8)  # 4 workers on each of 8 devices
   config.outer.state_layout = 'sharded'
   with pytest.raises(ValueError, match="state_layout='sharded'"):
     train.validate_config(config, 8)

@@ -1,0 +1,142 @@
+"""One run as several processes on one machine, each on its own CPU cores.
+
+``python -m experiments.train ... --local_processes=N`` starts N copies of
+itself, joined by ``jax.distributed`` over a free localhost port (gloo
+collectives on the CPU), the multi-process path a TPU VM pod or a GPU
+cluster takes, on a laptop or a CPU box. Each copy is pinned to its own
+share of the cores, so XLA:CPU sizes its thread pool to that share.
+
+Why on the CPU: one process runs every op of a step across all its cores,
+handing work between threads at each of the step's thousands of small ops;
+N processes of one core each run their share of the step without those
+hand-offs. With the workers stacked (``mesh.simulate_workers``) and one
+group of devices per process, each process trains ``mesh.workers / N`` of
+the workers and only the syncs cross processes (``docs/benchmarks.md``
+has the tokens/s).
+
+The parent only waits. A SIGTERM or SIGINT it receives goes on to every
+child as a SIGTERM, which is a preemption notice: the children reach one
+sync point, save a checkpoint at the same step and exit (run the same
+command to resume); a second SIGINT kills them. When one child fails, the
+others would wait for it in their next collective forever: the parent
+kills them and exits with the failed child's code, naming it.
+"""
+
+from collections.abc import Sequence
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from loc_opt import _checks
+
+
+def core_shares(cores: Sequence[int], num_processes: int) -> list[set[int]]:
+  """The CPU cores each of ``num_processes`` processes is pinned to.
+
+  Contiguous shares as even as they go when there are at least as many
+  cores as processes (5 cores, 2 processes: ``{0, 1, 2}``, ``{3, 4}``);
+  otherwise one core each, in turn (2 cores, 4 processes: ``{0}``, ``{1}``,
+  ``{0}``, ``{1}``).
+
+  Example:
+    >>> core_shares([0, 1, 2, 3], 2)
+    [{0, 1}, {2, 3}]
+  """
+  num_processes = _checks.positive_int(num_processes, 'num_processes')
+  cores = sorted(cores)
+  if not cores:
+    raise ValueError('no CPU cores to share')
+  if num_processes > len(cores):
+    return [{cores[i % len(cores)]} for i in range(num_processes)]
+  base, extra = divmod(len(cores), num_processes)
+  shares, start = [], 0
+  for i in range(num_processes):
+    size = base + (i < extra)
+    shares.append(set(cores[start:start + size]))
+    start += size
+  return shares
+
+
+def free_port() -> int:
+  """A TCP port on localhost that was free a moment ago."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def process_flags(num_processes: int, process_id: int,
+                  port: int) -> list[str]:
+  """The flags that make a copy of the launcher process ``process_id`` of
+  ``num_processes`` (``experiments.train``'s layout flags)."""
+  return [f'--coordinator_address=localhost:{port}',
+          f'--num_processes={num_processes}', f'--process_id={process_id}']
+
+
+def _start(command, i, num_processes, port, cores):
+  def pin():  # in the child, before it runs the command
+    if cores is not None:
+      os.sched_setaffinity(0, cores)
+  return subprocess.Popen(
+      [*command, *process_flags(num_processes, i, port)],
+      preexec_fn=pin, start_new_session=True)
+
+
+def _signal_all(procs, sig) -> None:
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, sig)
+      except ProcessLookupError:
+        pass
+
+
+def run(command: Sequence[str], num_processes: int, *, pin: bool = True,
+        poll_s: float = 0.1) -> int:
+  """Runs ``command`` as ``num_processes`` processes of one run.
+
+  Each copy gets :func:`process_flags` appended (one free port for all) and,
+  with ``pin``, its share of this process's cores (:func:`core_shares`).
+  Returns 0 when every copy exits 0; otherwise kills the copies still
+  running, prints which one failed, and returns its exit code (a signal's
+  number, negated, when one killed it).
+  """
+  num_processes = _checks.positive_int(num_processes, 'num_processes')
+  shares = (core_shares(os.sched_getaffinity(0), num_processes) if pin
+            else [None] * num_processes)
+  port = free_port()
+  procs = []
+  interrupts = []
+
+  def forward(signum, frame):  # pylint: disable=unused-argument
+    interrupts.append(signum)
+    if signum == signal.SIGINT and interrupts.count(signal.SIGINT) > 1:
+      _signal_all(procs, signal.SIGKILL)
+    else:
+      _signal_all(procs, signal.SIGTERM)
+
+  previous = {s: signal.signal(s, forward)
+              for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    for i in range(num_processes):
+      procs.append(_start(command, i, num_processes, port, shares[i]))
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        _signal_all(procs, signal.SIGKILL)
+        for p in procs:
+          p.wait()
+        i = failed[0]
+        print(f'local_launch: process {i} of {num_processes} exited with '
+              f'code {codes[i]}; stopped the others', file=sys.stderr)
+        return codes[i]
+      if all(c == 0 for c in codes):
+        return 0
+      time.sleep(poll_s)
+  finally:
+    _signal_all(procs, signal.SIGKILL)
+    for s, handler in previous.items():
+      signal.signal(s, handler)

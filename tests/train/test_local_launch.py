@@ -1,0 +1,146 @@
+"""``loc_opt.train.local_launch`` and ``experiments.train --local_processes``:
+one run as several local processes, each pinned to its share of the cores."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from loc_opt.train import local_launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+# A child that records its layout flags and cores, then does what MODE says.
+CHILD = textwrap.dedent('''
+    import json, os, pathlib, signal, sys, time
+    flags = dict(a[2:].split('=', 1) for a in sys.argv[1:])
+    out = pathlib.Path(os.environ['OUT'])
+    i = flags['process_id']
+    def done(signum, frame):
+      (out / f'term{i}').write_text('')
+      sys.exit(0)
+    signal.signal(signal.SIGTERM, done)
+    (out / f'{i}.json').write_text(json.dumps(
+        {'flags': flags, 'cores': sorted(os.sched_getaffinity(0))}))
+    mode = os.environ['MODE']
+    if mode == 'fail' and i == '1':
+      sys.exit(3)
+    if mode in ('fail', 'wait'):
+      time.sleep(120)
+''')
+
+
+def _run(tmp_path, mode, num_processes=2):
+  os.environ.update(OUT=str(tmp_path), MODE=mode)
+  try:
+    return local_launch.run([sys.executable, '-c', CHILD], num_processes)
+  finally:
+    del os.environ['OUT'], os.environ['MODE']
+
+
+def test_core_shares():
+  assert local_launch.core_shares([0, 1], 2) == [{0}, {1}]
+  assert local_launch.core_shares([0, 1, 2, 3, 4], 2) == [{0, 1, 2}, {3, 4}]
+  assert local_launch.core_shares([3, 1], 4) == [{1}, {3}, {1}, {3}]
+  assert local_launch.core_shares([0, 1, 2, 3], 1) == [{0, 1, 2, 3}]
+  with pytest.raises(ValueError, match='num_processes'):
+    local_launch.core_shares([0, 1], 0)
+
+
+def test_each_process_gets_its_layout_and_cores(tmp_path):
+  assert _run(tmp_path, 'exit', num_processes=3) == 0
+  seen = [json.loads((tmp_path / f'{i}.json').read_text()) for i in range(3)]
+  ports = {s['flags']['coordinator_address'] for s in seen}
+  assert len(ports) == 1 and ports.pop().startswith('localhost:')
+  assert [s['flags']['process_id'] for s in seen] == ['0', '1', '2']
+  assert {s['flags']['num_processes'] for s in seen} == {'3'}
+  shares = local_launch.core_shares(os.sched_getaffinity(0), 3)
+  assert [set(s['cores']) for s in seen] == shares
+
+
+def test_a_failed_process_stops_the_others(tmp_path, capfd):
+  start = time.monotonic()
+  assert _run(tmp_path, 'fail') == 3
+  assert time.monotonic() - start < 60  # the other would sleep 120 s
+  assert 'process 1 of 2 exited with code 3' in capfd.readouterr().err
+  assert not list(tmp_path.glob('term*'))  # killed, not asked to save
+
+
+def test_sigterm_reaches_every_process(tmp_path):
+  """A preemption notice to the launcher goes to every child."""
+  parent = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys; from loc_opt.train import local_launch; '
+       f'sys.exit(local_launch.run([sys.executable, "-c", {CHILD!r}], 2))'],
+      cwd=ROOT, env=dict(os.environ, OUT=str(tmp_path), MODE='wait',
+                         PYTHONPATH=str(ROOT)))
+  try:
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob('*.json'))) < 2:
+      assert time.monotonic() < deadline, 'the children did not start'
+      time.sleep(0.1)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 0
+  finally:
+    if parent.poll() is None:
+      parent.kill()
+  assert sorted(p.name for p in tmp_path.glob('term*')) == ['term0', 'term1']
+
+
+def _train(workdir, *args, timeout=TIMEOUT_S):
+  fields = {'num_steps': 8, 'batch_size': 16, 'data.eval_batch_size': 16,
+            'eval_batches': 1, 'eval_every': 8, 'log_every': 2,
+            'checkpoint_every': 0, 'progress': False, 'model.hidden': 64,
+            'data.seq_len': 32, 'data.max_bytes': 300_000,
+            'outer.sync_every': 4, 'mesh.workers': 4, 'mesh.data': 1,
+            'mesh.simulate_workers': True}
+  cmd = [sys.executable, '-m', 'experiments.train',
+         f'--config={ROOT / "configs" / "diloco_lm.py"}:mlp',
+         f'--workdir={workdir}', '--cpu_devices=1',
+         *[f'--config.{k}={v}' for k, v in fields.items()], *args]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu',
+                                 PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.slow
+def test_two_local_processes_train_as_one(tmp_path):
+  """4 stacked workers in 2 processes (2 on each one's device, the
+  pseudo-gradients averaged across processes by gloo) train as the 4
+  stacked on one process's device."""
+  one = _train(tmp_path / 'one')
+  two = _train(tmp_path / 'two', '--local_processes=2')
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert two.returncode == 0, two.stderr[-3000:]
+  s1, s2 = (json.loads((tmp_path / n / 'summary.json').read_text())
+            for n in ('one', 'two'))
+  assert (s1['worker_groups'], s2['worker_groups']) == (1, 2)
+  assert s1['cross_worker_bytes'] == 0 < s2['cross_worker_bytes']
+  assert s2['bytes_per_phase']['False'] == 0  # inner steps stay local
+  assert s1['syncs'] == s2['syncs'] == 2
+  np.testing.assert_allclose(s2['final_eval_loss'], s1['final_eval_loss'],
+                             rtol=1e-5)
+  assert 'bytes between the 2 groups of devices' in two.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (('--local_processes=2', '--process_id=0'),
+     'drop --process_id'),
+    (('--local_processes=2', '--distributed=off'), 'distributed=off'),
+    (('--local_processes=0',), 'must be >= 1'),
+])
+def test_local_processes_refuses_what_contradicts_it(tmp_path, args,
+                                                    message):
+  result = _train(tmp_path, *args, timeout=60)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert not (tmp_path / 'summary.json').exists()
