@@ -76,12 +76,17 @@ def process_flags(num_processes: int, process_id: int,
 
 
 def _start(command, i, num_processes, port, cores):
-  def pin():  # in the child, before it runs the command
-    if cores is not None:
-      os.sched_setaffinity(0, cores)
-  return subprocess.Popen(
-      [*command, *process_flags(num_processes, i, port)],
-      preexec_fn=pin, start_new_session=True)
+  # The child inherits this thread's cores: pin it for the spawn and back
+  # (a preexec_fn would make subprocess fork, unsafe once JAX's threads run).
+  own = os.sched_getaffinity(0)
+  if cores is not None:
+    os.sched_setaffinity(0, cores)
+  try:
+    return subprocess.Popen(
+        [*command, *process_flags(num_processes, i, port)],
+        start_new_session=True)
+  finally:
+    os.sched_setaffinity(0, own)
 
 
 def _signal_all(procs, sig) -> None:

@@ -56,7 +56,9 @@ def test_core_shares():
 
 
 def test_each_process_gets_its_layout_and_cores(tmp_path):
+  own = os.sched_getaffinity(0)
   assert _run(tmp_path, 'exit', num_processes=3) == 0
+  assert os.sched_getaffinity(0) == own  # the launcher's cores restored
   seen = [json.loads((tmp_path / f'{i}.json').read_text()) for i in range(3)]
   ports = {s['flags']['coordinator_address'] for s in seen}
   assert len(ports) == 1 and ports.pop().startswith('localhost:')
