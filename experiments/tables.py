@@ -275,7 +275,7 @@ THROUGHPUT_LAYOUTS = {
                 'loc_opt with the workers stacked on one device'),
     'processes': ('loc_opt stacked in 2 processes',
                   'loc_opt with the workers stacked 2 per process in 2 '
-                  'processes of one core each (--local_processes=2)'),
+                  'processes of one core each (`--local_processes=2`)'),
 }
 
 
@@ -379,11 +379,12 @@ def step_time_levers(data: dict[str, Any]) -> str:
            '', '| lever | XLA_FLAGS / arguments | tok/s | vs first row |',
            '|---|---|---:|---:|']
   for name, row in levers.items():
-    # The lever's own arguments: devices, mesh, host memory and model fields
-    # other than the size (num_layers, d_model), which every row shares.
+    # The lever's own arguments: devices, processes, mesh, host memory and
+    # model fields other than the size (num_layers, d_model), which every
+    # row shares.
     extra = [a for a in row['args'] if a.startswith(
-        ('--cpu_devices', '--config.mesh', '--config.model',
-         '--reuse_host_memory'))
+        ('--cpu_devices', '--local_processes', '--config.mesh',
+         '--config.model', '--reuse_host_memory'))
              and not a.startswith(('--config.model.num_layers',
                                    '--config.model.d_model'))]
     how = ', '.join(f'`{x}`' for x in [row['xla_flags']] + extra if x)

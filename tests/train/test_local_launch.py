@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import local_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -97,21 +98,26 @@ def test_sigterm_reaches_every_process(tmp_path):
   assert sorted(p.name for p in tmp_path.glob('term*')) == ['term0', 'term1']
 
 
-def _train(workdir, *args, timeout=TIMEOUT_S):
+def _train_cmd(workdir, *args, **fields):
   fields = {'num_steps': 8, 'batch_size': 16, 'data.eval_batch_size': 16,
             'eval_batches': 1, 'eval_every': 8, 'log_every': 2,
             'checkpoint_every': 0, 'progress': False, 'model.hidden': 64,
             'data.seq_len': 32, 'data.max_bytes': 300_000,
             'outer.sync_every': 4, 'mesh.workers': 4, 'mesh.data': 1,
-            'mesh.simulate_workers': True}
-  cmd = [sys.executable, '-m', 'experiments.train',
-         f'--config={ROOT / "configs" / "diloco_lm.py"}:mlp',
-         f'--workdir={workdir}', '--cpu_devices=1',
-         *[f'--config.{k}={v}' for k, v in fields.items()], *args]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout,
-                        env=dict(os.environ, JAX_PLATFORMS='cpu',
-                                 PYTHONPATH=str(ROOT)))
+            'mesh.simulate_workers': True, **fields}
+  return [sys.executable, '-m', 'experiments.train',
+          f'--config={ROOT / "configs" / "diloco_lm.py"}:mlp',
+          f'--workdir={workdir}', '--cpu_devices=1',
+          *[f'--config.{k}={v}' for k, v in fields.items()], *args]
+
+
+ENV = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT))
+
+
+def _train(workdir, *args, timeout=TIMEOUT_S, **fields):
+  return subprocess.run(_train_cmd(workdir, *args, **fields), cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout,
+                        env=ENV)
 
 
 @pytest.mark.slow
@@ -146,3 +152,45 @@ def test_local_processes_refuses_what_contradicts_it(tmp_path, args,
   assert result.returncode != 0
   assert message in result.stderr
   assert not (tmp_path / 'summary.json').exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_local_processes_saves_and_resumes_exactly(tmp_path):
+  """A preemption notice to the launcher: both processes save one
+  checkpoint at the same step and exit 0; the same command resumes and
+  ends where an uninterrupted 2-process run does, bit for bit."""
+  fields = {'num_steps': 120, 'log_every': 1, 'eval_every': 120,
+            'checkpoint_every': 1000}
+  full = _train(tmp_path / 'full', '--local_processes=2', **fields)
+  assert full.returncode == 0, full.stderr[-3000:]
+  workdir = tmp_path / 'run'
+  cmd = _train_cmd(workdir, '--local_processes=2', **fields)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    metrics = workdir / 'metrics.jsonl'
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, 'no 3 steps'
+      time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+  assert proc.returncode == 0, err[-3000:]
+  step = ckpt_lib.latest_step(workdir)
+  assert step is not None and 3 <= step < 120, (step, out)
+  assert f'preempted: saved a checkpoint at step {step} ' in out, out
+  assert 'Traceback' not in err, err[-3000:]
+  resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=TIMEOUT_S)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  s_full, s_run = (json.loads((tmp_path / n / 'summary.json').read_text())
+                   for n in ('full', 'run'))
+  assert s_run['step'] == s_full['step'] == 120
+  assert s_run['final_eval_loss'] == s_full['final_eval_loss']
+  assert s_run['final_train_loss'] == s_full['final_train_loss']
