@@ -46,7 +46,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
-from experiments import tables
+from experiments import _train_tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -66,7 +66,8 @@ _LEVERS = flags.DEFINE_list(
     'LEVERS; an empty value measures none).')
 _REPEATS = flags.DEFINE_integer(
     'repeats', 1, 'Rounds of the sizes part: each round runs, per size, '
-    'loc_opt, exogym and the stacked layout in turn; the tables give the '
+    'loc_opt, exogym, the stacked layout and the stacked layout in 2 '
+    'processes in turn; the tables give the '
     'median of the rounds (the machine drifts by 10-20% over minutes).')
 _STACKED = flags.DEFINE_boolean(
     'stacked', True, 'Also run each size with the 4 workers stacked on one '
@@ -300,7 +301,7 @@ def main(argv):
         pathlib.Path(_WORKDIR.value or '/tmp/step_time') / 'throughput',
         levers, _EXOGYM_PYTHON.value, _STACKED.value, _REPEATS.value,
         _PROCESSES.value)
-  markdown = tables.benchmark_step_time_all({'results': result})
+  markdown = _train_tables.benchmark_step_time_all({'results': result})
   if _WORKDIR.value:
     _runs.write(_WORKDIR.value, 'benchmark_step_time', markdown, result)
   else:

@@ -35,7 +35,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
-from experiments import tables
+from experiments import _train_tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
                                           'Config file.')
@@ -125,7 +125,7 @@ def main(argv):
       'mesh': config.mesh.to_dict(),
       'cpu_devices': _CPU_DEVICES.value}
   _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
-              tables.step_ab_main({'results': results}), results)
+              _train_tables.step_ab_main({'results': results}), results)
 
 
 if __name__ == '__main__':

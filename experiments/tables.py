@@ -247,162 +247,6 @@ def diloco_family_figure(data: dict[str, Any], path: pathlib.Path,
   plt.close(fig)
 
 
-# (results name, table name) -> renderer of the markdown table.
-def step_time_main(data: dict[str, Any]) -> str:
-  """DiLoCo's inner step against a data-parallel step."""
-  r = data['results']['step_time']
-  med, nbytes = r['median_step_s'], r['cross_worker_bytes_per_step']
-  return '\n'.join([
-      f'{r["num_params"]:,} parameters on {r["devices"]} devices; '
-      f'{r["steps_timed"]} steps per program, alternating blocks.', '',
-      '| program | median step | cross-worker bytes / step |',
-      '|---|---|---|',
-      f'| data-parallel (Optax AdamW, gradients all-reduced over every '
-      f'device) | {med["data_parallel"] * 1e3:.1f} ms | '
-      f'{nbytes["data_parallel"]:,} |',
-      f'| DiLoCo inner step (shard_map over `worker`, GSPMD inside) | '
-      f'{med["diloco"] * 1e3:.1f} ms | {nbytes["diloco"]:,} |',
-      f'| DiLoCo sync step | (not timed) | '
-      f'{r["diloco_sync_step_bytes"]:,} |', '',
-      f'Ratio DiLoCo inner / data-parallel: '
-      f'**{r["ratio_diloco_inner_over_dp"]:.3f}**.']) + '\n'
-
-
-# The layouts measured beside the default one: results key -> column name
-# and how the caption describes the runs.
-THROUGHPUT_LAYOUTS = {
-    'stacked': ('loc_opt stacked on 1 device',
-                'loc_opt with the workers stacked on one device'),
-    'processes': ('loc_opt stacked in 2 processes',
-                  'loc_opt with the workers stacked 2 per process in 2 '
-                  'processes of one core each (`--local_processes=2`)'),
-}
-
-
-def step_time_throughput(data: dict[str, Any]) -> str:
-  """Tokens/s through the launcher at issue 20's sizes (and exogym's, and
-  with the workers stacked on one device, or in 2 processes, where
-  measured)."""
-  r = data['results']['throughput']
-  exo = all('exogym' in row for row in r['sizes'].values())
-  layouts = [k for k in THROUGHPUT_LAYOUTS
-             if all(k in row for row in r['sizes'].values())]
-  head = '| model | params | loc_opt tok/s |'
-  rule = '|---|---:|---:|'
-  if exo:
-    head += ' exogym tok/s (its params) | loc_opt / exogym |'
-    rule += '---:|---:|'
-  for key in layouts:
-    head += f' {THROUGHPUT_LAYOUTS[key][0]} tok/s |'
-    rule += '---:|'
-    if exo:
-      head += f' {key} / exogym |'
-      rule += '---:|'
-  repeats = r.get('repeats', 1)
-  order = ['loc_opt at the default layout (4 workers x 2 devices, 8 '
-           'devices)'] + (['exogym'] if exo else []) + [
-               THROUGHPUT_LAYOUTS[k][1] for k in layouts]
-  lines = [f'4 workers, H = {r["sync_every"]}, {r["steps"]} steps per run, '
-           'median of the 10-step windows after the first; '
-           + ', then '.join(order)
-           + (', one after another' if len(order) > 1 else '')
-           + (f'; {repeats} rounds of these runs, each figure the median '
-              'of its rounds' if repeats > 1 else '') + '.', '',
-           head, rule]
-  for label, row in r['sizes'].items():
-    cells = [label, f'{row["num_params"]:,}', f'{row["tokens_per_s"]:,.0f}']
-    if exo:
-      e = row['exogym']
-      cells += [f'{e["tokens_per_s"]:,.0f} ({e["num_params"]:,})',
-                f'{row["tokens_per_s"] / e["tokens_per_s"]:.2f}']
-    for key in layouts:
-      cells.append(f'{row[key]["tokens_per_s"]:,.0f}')
-      if exo:
-        cells.append(
-            f'{row[key]["tokens_per_s"] / row["exogym"]["tokens_per_s"]:.2f}')
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  if repeats > 1 and exo:
-    lines.append('')
-    lines.append('Ratios to exogym round by round, default layout'
-                 + ''.join(f' ({k})' for k in layouts) + ': '
-                 + '; '.join(_round_ratios(label, row, layouts)
-                             for label, row in r['sizes'].items()) + '.')
-  return '\n'.join(lines) + '\n'
-
-
-def _round_ratios(label: str, row: dict[str, Any], layouts) -> str:
-  """``label a, b, c`` (and ``(x, y, z)`` for each of ``layouts``): each
-  round's loc_opt tokens/s over the same round's exogym tokens/s."""
-  exo = row['exogym']['rounds_tokens_per_s']
-  text = f'{label} ' + ', '.join(
-      f'{a / e:.2f}' for a, e in zip(row['rounds_tokens_per_s'], exo))
-  for key in layouts:
-    text += ' (' + ', '.join(
-        f'{a / e:.2f}' for a, e in
-        zip(row[key]['rounds_tokens_per_s'], exo)) + ')'
-  return text
-
-
-def step_ab_main(data: dict[str, Any]) -> str:
-  """Config variants of the inner step, timed alternately in one process
-  (``experiments.step_ab``); speed against the first variant."""
-  r = data['results']
-  variants = r['variants']
-  first = next(iter(variants.values()))['median_step_s']
-  mesh = r['mesh']
-  layout = (f'{mesh["workers"]} workers stacked on each of '
-            f'{r["cpu_devices"]} CPU device(s)' if mesh.get('simulate_workers')
-            else f'{mesh["workers"]} workers x {mesh["data"]} devices')
-  sizes = ', '.join(f'{k} {v}' for k, v in r['model_sizes'].items()
-                    if v is not None)
-  lines = [f'{r["model"]} ({sizes}), {layout}; {r["rounds"]} rounds of '
-           f'{r["block"]}-step blocks, alternating, in one process.', '',
-           '| variant | overrides | median step | tok/s | speed vs first |',
-           '|---|---|---:|---:|---:|']
-  for name, v in variants.items():
-    overrides = ', '.join(f'`{k}={x}`' for k, x in v['overrides'].items())
-    lines.append(f'| {name} | {overrides or "-"} | '
-                 f'{v["median_step_s"] * 1e3:.1f} ms | '
-                 f'{v["tokens_per_s"]:,.0f} | '
-                 f'{first / v["median_step_s"]:.3f} |')
-  return '\n'.join(lines) + '\n'
-
-
-def step_time_levers(data: dict[str, Any]) -> str:
-  """Tokens/s of the 853k model under each CPU lever."""
-  r = data['results']['throughput']
-  levers = r['levers']
-  if not levers:
-    return 'No levers measured.\n'
-  base = next(iter(levers.values()))['tokens_per_s']
-  lines = [f'The {r["lever_size"]} model; each run as in the table above.',
-           '', '| lever | XLA_FLAGS / arguments | tok/s | vs first row |',
-           '|---|---|---:|---:|']
-  for name, row in levers.items():
-    # The lever's own arguments: devices, processes, mesh, host memory and
-    # model fields other than the size (num_layers, d_model), which every
-    # row shares.
-    extra = [a for a in row['args'] if a.startswith(
-        ('--cpu_devices', '--local_processes', '--config.mesh',
-         '--config.model', '--reuse_host_memory'))
-             and not a.startswith(('--config.model.num_layers',
-                                   '--config.model.d_model'))]
-    how = ', '.join(f'`{x}`' for x in [row['xla_flags']] + extra if x)
-    lines.append(f'| {name} | {how or "-"} | {row["tokens_per_s"]:,.0f} | '
-                 f'{row["tokens_per_s"] / base:.2f} |')
-  return '\n'.join(lines) + '\n'
-
-
-def benchmark_step_time_all(data: dict[str, Any]) -> str:
-  """Every part that ran, as the benchmark prints it."""
-  parts = []
-  if 'step_time' in data['results']:
-    parts.append(step_time_main(data))
-  if 'throughput' in data['results']:
-    parts += [step_time_throughput(data), step_time_levers(data)]
-  return '\n'.join(parts)
-
-
 def outer_sweep_main(data: dict[str, Any]) -> str:
   """Final eval loss per method, M and outer lr (rows) and outer momentum
   (columns); the best of each method and M in bold."""
@@ -443,6 +287,7 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+# (results name, table name) -> renderer of the markdown table.
 RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('claims', 'main'): _claims.claims_main,
     ('claims', 'sweep'): _claims.claims_sweep,
@@ -450,11 +295,11 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
     ('outer_sweep_own', 'main'): outer_sweep_main,
-    ('benchmark_step_time', 'main'): step_time_main,
-    ('benchmark_step_time', 'throughput'): step_time_throughput,
-    ('benchmark_step_time', 'levers'): step_time_levers,
-    ('step_ab_853k', 'main'): step_ab_main,
-    ('step_ab_1480k', 'main'): step_ab_main,
+    ('benchmark_step_time', 'main'): _train_tables.step_time_main,
+    ('benchmark_step_time', 'throughput'): _train_tables.step_time_throughput,
+    ('benchmark_step_time', 'levers'): _train_tables.step_time_levers,
+    ('step_ab_853k', 'main'): _train_tables.step_ab_main,
+    ('step_ab_1480k', 'main'): _train_tables.step_ab_main,
     ('profile_step', 'main'): _train_tables.profile_step_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,

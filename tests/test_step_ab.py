@@ -48,7 +48,7 @@ def test_bad_variants_are_refused_by_name():
 def test_throughput_table_gives_medians_and_round_ratios():
   # experiments.benchmark_step_time --repeats: each figure the median of its
   # rounds, and each round's ratio to the same round's exogym run.
-  from experiments import tables  # pylint: disable=g-import-not-at-top
+  from experiments import _train_tables  # pylint: disable=g-import-not-at-top
 
   def run(*rounds):
     ordered = sorted(rounds)
@@ -57,9 +57,19 @@ def test_throughput_table_gives_medians_and_round_ratios():
 
   row = run(90.0, 100.0, 120.0) | {'exogym': run(50.0, 40.0, 60.0),
                                    'stacked': run(100.0, 110.0, 80.0)}
-  text = tables.step_time_throughput({'results': {'throughput': {
+  text = _train_tables.step_time_throughput({'results': {'throughput': {
       'sync_every': 10, 'steps': 60, 'repeats': 3, 'sizes': {'459k': row},
       'levers': {}}}})
   assert '3 rounds of these runs' in text
   assert '| 459k | 10 | 100 | 50 (10) | 2.00 | 100 | 2.00 |' in text
   assert '459k 1.80, 2.50, 2.00 (2.00, 2.75, 1.33)' in text
+  assert 'processes' not in text  # a layout not measured has no column
+  row['processes'] = run(130.0, 120.0, 125.0)
+  text = _train_tables.step_time_throughput({'results': {'throughput': {
+      'sync_every': 10, 'steps': 60, 'repeats': 3, 'sizes': {'459k': row},
+      'levers': {}}}})
+  assert ('| 459k | 10 | 100 | 50 (10) | 2.00 | 100 | 2.00 | 125 | 2.50 |'
+          in text)
+  assert ('default layout (stacked) (processes): 459k 1.80, 2.50, 2.00 '
+          '(2.00, 2.75, 1.33) (2.60, 3.00, 2.08)') in text
+  assert 'then loc_opt with the workers stacked 2 per process' in text
