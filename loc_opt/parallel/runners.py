@@ -51,12 +51,13 @@ def _stacked(fn, axis_name, in_axes, out_axes):
   axis instead (its collectives bind the axis name and reduce over one
   element), and GSPMD shards the model inside the worker as before. With
   ``stacked`` workers (:func:`shard_map_workers`), the leading axis holds
-  all M workers split over the G devices groups of the worker mesh axis:
+  all M workers split over the G device groups of the worker mesh axis:
   ``jax.vmap`` sees all M, each collective over ``axis_name`` becomes an
   operation along that axis, and GSPMD keeps each group's M / G workers on
   the group's devices, so only the collectives cross groups. The vmap's
-  ``spmd_axis_name`` keeps sharding constraints inside ``fn`` off the
-  worker axis.
+  ``spmd_axis_name`` puts the worker axis on the stacked dimension of every
+  sharding constraint inside ``fn``, so no constraint gathers the workers
+  onto every group.
   """
 
   def mapped(*args):
