@@ -124,7 +124,8 @@ def _train(workdir, *args, timeout=TIMEOUT_S, **fields):
 def test_two_local_processes_train_as_one(tmp_path):
   """4 stacked workers in 2 processes (2 on each one's device, the
   pseudo-gradients averaged across processes by gloo) train as the 4
-  stacked on one process's device."""
+  stacked on one process's device, and a run halted in 2 processes
+  resumes in one."""
   one = _train(tmp_path / 'one')
   two = _train(tmp_path / 'two', '--local_processes=2')
   assert one.returncode == 0, one.stderr[-3000:]
@@ -138,6 +139,18 @@ def test_two_local_processes_train_as_one(tmp_path):
   np.testing.assert_allclose(s2['final_eval_loss'], s1['final_eval_loss'],
                              rtol=1e-5)
   assert 'bytes between the 2 groups of devices' in two.stdout
+  # Halted in 2 processes, resumed in 1: the same run.
+  mixed = tmp_path / 'mixed'
+  halted = _train(mixed, '--local_processes=2', halt_after_steps=4,
+                  checkpoint_every=4)
+  assert halted.returncode == 0, halted.stderr[-3000:]
+  assert ckpt_lib.latest_step(mixed) == 4
+  resumed = _train(mixed, checkpoint_every=4)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  s3 = json.loads((mixed / 'summary.json').read_text())
+  assert s3['step'] == 8 and s3['worker_groups'] == 1
+  np.testing.assert_allclose(s3['final_eval_loss'], s1['final_eval_loss'],
+                             rtol=1e-5)
 
 
 @pytest.mark.parametrize('args, message', [
