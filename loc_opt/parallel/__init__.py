@@ -12,6 +12,7 @@ from loc_opt.parallel.mesh import WORKER
 from loc_opt.parallel.offload import host_shardings
 from loc_opt.parallel.offload import offloaded
 from loc_opt.parallel.runners import replicate
+from loc_opt.parallel.runners import runs_under_vmap
 from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers
 from loc_opt.parallel import goodput

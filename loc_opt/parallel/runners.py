@@ -74,6 +74,15 @@ def _stacked(fn, axis_name, in_axes, out_axes):
   return mapped
 
 
+def runs_under_vmap(mesh: jax.sharding.Mesh, *,
+                    axis_name: str = mesh_lib.WORKER,
+                    stacked: bool = False) -> bool:
+  """Whether :func:`shard_map_workers` on ``mesh`` runs the worker function
+  under ``jax.vmap`` (stacked workers, or a worker axis of size 1) rather
+  than ``jax.shard_map``."""
+  return stacked or mesh.shape[axis_name] == 1
+
+
 def replicate(tree: Any, num_workers: int) -> Any:
   """``num_workers`` identical copies of every leaf, stacked on a new
   leading axis: the per-worker layout of :func:`vmap_workers` and
@@ -149,7 +158,7 @@ def shard_map_workers(
     raise ValueError(
         f'mesh axes {mesh.axis_names} have no worker axis {axis_name!r}'
     )
-  if stacked or mesh.shape[axis_name] == 1:
+  if runs_under_vmap(mesh, axis_name=axis_name, stacked=stacked):
     return _stacked(fn, axis_name, in_axes, out_axes)
   spec = {0: jax.P(axis_name), None: jax.P()}
 

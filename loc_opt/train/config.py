@@ -203,6 +203,16 @@ def outer_optimizer(config: ml_collections.ConfigDict,
 STATE_LAYOUTS = ('replicated', 'sharded', 'offloaded')
 
 
+def simulates_workers(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config`` stacks its ``mesh.workers`` workers on shared
+  devices (``mesh.simulate_workers``) instead of giving each its own."""
+  value = config.mesh.get('simulate_workers', False)
+  if not isinstance(value, bool):
+    raise ValueError(f'mesh.simulate_workers must be True or False, got '
+                     f'{value!r}')
+  return value
+
+
 def state_layout(config: ml_collections.ConfigDict) -> str:
   """``outer.state_layout``, validated: ``'replicated'`` (every worker holds
   the whole outer state; the default, and the value of a config without the

@@ -39,16 +39,6 @@ from loc_opt.train.method import eval_params_fn
 from loc_opt.train.method import Method
 
 
-def simulates_workers(config: ml_collections.ConfigDict) -> bool:
-  """Whether ``config`` stacks its ``mesh.workers`` workers on shared
-  devices (``mesh.simulate_workers``) instead of giving each its own."""
-  value = config.mesh.get('simulate_workers', False)
-  if not isinstance(value, bool):
-    raise ValueError(f'mesh.simulate_workers must be True or False, got '
-                     f'{value!r}')
-  return value
-
-
 def worker_groups(config: ml_collections.ConfigDict, num_devices: int) -> int:
   """The size of the mesh's worker axis for ``num_devices`` devices:
   ``mesh.workers``, or with ``mesh.simulate_workers`` the groups of
@@ -56,7 +46,7 @@ def worker_groups(config: ml_collections.ConfigDict, num_devices: int) -> int:
   split over (one group: all workers on every device; G groups, e.g. one
   per process: ``mesh.workers / G`` stacked on each)."""
   m = config.mesh
-  if not simulates_workers(config):
+  if not cfg_lib.simulates_workers(config):
     return m.workers
   return num_devices // (m.data * m.fsdp * m.tensor)
 
@@ -65,7 +55,7 @@ def _check_mesh(config, num_devices: int) -> None:
   m = config.mesh
   for name in ('workers', 'data', 'fsdp', 'tensor'):
     _checks.positive_int(m[name], f'mesh.{name}', arrays=True)
-  if simulates_workers(config):
+  if cfg_lib.simulates_workers(config):
     group = m.data * m.fsdp * m.tensor
     groups = worker_groups(config, num_devices)
     if num_devices % group or m.workers % groups:
@@ -111,7 +101,8 @@ def _check_batches(config, num_devices: int) -> None:
     raise ValueError(f'data.eval_batch_size={eval_batch} must divide '
                      f'across the {num_devices} devices')
   group = m.data * m.fsdp * m.tensor
-  if simulates_workers(config) and eval_batch % (m.workers * group):
+  simulated = cfg_lib.simulates_workers(config)
+  if simulated and eval_batch % (m.workers * group):
     raise ValueError(
         f'data.eval_batch_size={eval_batch} must divide across the '
         f'{m.workers} simulated workers x {group} devices (each worker '
@@ -446,7 +437,7 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   The reference a local-update method is compared with: the same model,
   optimizer and mesh, gradients all-reduced every step.
   """
-  if config.mesh.workers == 1 or simulates_workers(config):
+  if config.mesh.workers == 1 or cfg_lib.simulates_workers(config):
     return 0  # nothing crosses devices' workers; no compile
   dp_config = ml_collections.ConfigDict(config.to_dict())
   # Only what shapes the collectives is kept (so runs that differ in the

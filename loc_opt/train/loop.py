@@ -250,7 +250,7 @@ def _summary(exp, config, counters, logger, workdir, compile_s
       'compile_seconds': compile_s,
       'train_seconds_this_run': logger.train_time,
   }
-  if exp_lib.simulates_workers(config):
+  if cfg_lib.simulates_workers(config):
     # The workers share devices: the byte counts above are what crosses
     # between their groups of devices (zeros for one group), not between
     # workers.

@@ -27,6 +27,7 @@ import optax
 
 from loc_opt import models
 from loc_opt import parallel
+from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import outer_layout
@@ -164,12 +165,6 @@ def loss_fn(model: models.Model, params: Any, batch: jax.Array) -> jax.Array:
     return models.lm_loss(logits, batch[..., 1:])
 
 
-def _stacked(config) -> bool:
-  """Whether the workers are stacked on shared devices
-  (``mesh.simulate_workers``, checked by ``train.validate_config``)."""
-  return config.mesh.get('simulate_workers', False)
-
-
 def batch_sharding(mesh, per_worker: bool) -> jax.NamedSharding:
   """Batches: ``[workers, rows, len]`` split over workers and the batch axes
   inside them, or ``[rows, len]`` split over all of them."""
@@ -286,7 +281,8 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   inputs = (method.step_inputs(config) if method.step_inputs is not None
             else None)
   specs = models.resolve_specs(model.specs, mesh.axis_names)
-  vmapped = _stacked(config) or mesh.shape[parallel.WORKER] == 1
+  stacked = cfg_lib.simulates_workers(config)
+  vmapped = parallel.runs_under_vmap(mesh, stacked=stacked)
   worker_step = _worker_step(model, tx, faults.settings(config), method,
                              absent, reset, inputs, specs, mesh, vmapped)
 
@@ -297,7 +293,7 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
     if method.per_worker:
       run = parallel.shard_map_workers(run, mesh,
                                        in_axes=(0, 0, 0, 0, None),
-                                       stacked=_stacked(config))
+                                       stacked=stacked)
     params, opt_state, counters, loss = run(
         state['params'], state['opt_state'], state['faults'], batch,
         state['step'])
@@ -385,8 +381,9 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
   def worker_eval(params, opt_state, batch):
     return loss_fn(model, eval_params(opt_state, params), batch)
 
+  stacked = cfg_lib.simulates_workers(config)
   per_worker = (functools.partial(parallel.shard_map_workers, mesh=mesh,
-                                  stacked=_stacked(config))
+                                  stacked=stacked)
                 if method.per_worker else lambda fn: fn)
   eval_sharding = batch_sharding(mesh, method.per_worker)
   eval_run = per_worker(worker_eval)

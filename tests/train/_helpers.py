@@ -1,4 +1,7 @@
-"""Helpers shared by the trainer tests: a tiny config and array leaves."""
+"""Helpers shared by the trainer tests: a tiny config, array leaves, and
+waiting for a launched run's steps."""
+
+import time
 
 import jax
 import numpy as np
@@ -83,3 +86,17 @@ def assert_shared_fields_level(method, state):
                 if not s and np.issubdtype(np.asarray(x).dtype, np.floating)]
   assert any(not np.array_equal(x[1], x[0]) for x in per_worker), method
   assert int(state['faults']['bad_steps'][1]) == 2
+
+
+def wait_for_steps(proc, metrics, n: int, timeout: float) -> None:
+  """Waits until the run ``proc`` (a ``subprocess.Popen``) has written
+  ``n`` records to ``metrics`` (its ``metrics.jsonl``); fails if it ends
+  first or ``timeout`` seconds pass."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise AssertionError(f'the run ended early: {proc.communicate()}')
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+      return
+    time.sleep(0.02)
+  raise AssertionError(f'no {n} steps after {timeout}s')

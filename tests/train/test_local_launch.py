@@ -15,6 +15,7 @@ import pytest
 
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import local_launch
+from tests.train._helpers import wait_for_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
@@ -182,12 +183,7 @@ def test_sigterm_to_local_processes_saves_and_resumes_exactly(tmp_path):
                           stderr=subprocess.PIPE, text=True,
                           start_new_session=True)
   try:
-    deadline = time.monotonic() + TIMEOUT_S
-    metrics = workdir / 'metrics.jsonl'
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-      assert proc.poll() is None, proc.communicate()
-      assert time.monotonic() < deadline, 'no 3 steps'
-      time.sleep(0.02)
+    wait_for_steps(proc, workdir / 'metrics.jsonl', 3, TIMEOUT_S)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
   finally:

@@ -15,6 +15,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import preemption
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
+from tests.train._helpers import wait_for_steps
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _STEPS = 200
@@ -38,17 +39,6 @@ def _config(data_dir):
                      checkpoint_every=1000, log_every=50)
 
 
-def _wait_for_steps(proc, metrics, n, timeout):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if proc.poll() is not None:
-      raise AssertionError(f'the run ended early: {proc.communicate()}')
-    if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-      return
-    time.sleep(0.02)
-  raise AssertionError(f'no {n} steps after {timeout}s')
-
-
 def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(data_dir,
                                                           tmp_path):
   config = _config(data_dir)
@@ -59,7 +49,7 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(data_dir,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True)
   try:
-    _wait_for_steps(proc, workdir / 'metrics.jsonl', 3, timeout=240)
+    wait_for_steps(proc, workdir / 'metrics.jsonl', 3, timeout=240)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
   finally:
