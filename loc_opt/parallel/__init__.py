@@ -23,6 +23,8 @@ from loc_opt.parallel.hlo import CollectiveReport
 from loc_opt.parallel.dataflow import collective_dataflow
 from loc_opt.parallel.dataflow import CollectiveDataflow
 from loc_opt.parallel.overlap import overlap_window
+from loc_opt.parallel.schedule import collective_schedule
+from loc_opt.parallel.schedule import CollectiveSpan
 from loc_opt.parallel.hlo import host_arguments
 from loc_opt.parallel.wallclock import Link
 from loc_opt.parallel.wallclock import StepClock

@@ -1,0 +1,325 @@
+r"""What the GPU compiler schedules while a sync's collective is in flight.
+
+The overlapped window programs (``loc_opt.parallel.overlap_window``,
+``outer.overlap='compiled'``) leave the sync's cross-worker collective
+independent of the steps after it (``tests/outer/test_overlap.py`` proves
+that from the dataflow on CPU). This program compiles them for GPUs, where
+XLA splits each collective into a start and a done and its latency-hiding
+scheduler places independent work between the two, and reads the schedule
+(``loc_opt.parallel.schedule``): for every cross-worker collective, the
+matrix products of which window steps run while it is in flight. The same
+is reported for one program per step (what runs without the option) and
+for plain DiLoCo's sync, which reads its average at once.
+
+One GPU is enough to compile for several: ``--mock_processes=4`` (JAX's
+``mock_num_gpu_processes``) makes the client present 4 hosts of one GPU,
+one worker each, with mocked NCCL. Only compiling is needed for the
+schedules; ``--timed=N`` also runs each program N times on the real GPU
+(the other workers and the collectives are mocked: no byte crosses a wire,
+so those times are the compute's, not an overlap measurement, which needs
+two or more real accelerators).
+
+  python -m experiments.overlap_gpu --workdir=/tmp/overlap_gpu \
+      --mock_processes=4 --timed=0 --hlo_dir=/tmp/overlap_gpu/hlo
+
+Writes ``overlap_gpu.{md,json}`` and, with ``--hlo_dir``, each program's
+optimized HLO (gzip), to read again with
+``loc_opt.parallel.collective_schedule``.
+"""
+
+import functools
+import gzip
+import pathlib
+import re
+import statistics
+import time
+
+from absl import app
+from absl import flags
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Where results go.',
+                               required=True)
+_MOCK = flags.DEFINE_string(
+    'mock_topology', '', "jax_mock_gpu_topology ('': off): slices x hosts "
+    'x GPUs per host; GPUs per host must be the real count.')
+_MOCK_PROCESSES = flags.DEFINE_integer(
+    'mock_processes', 4, 'jax mock_num_gpu_processes (0: off, the real '
+    'devices): that many hosts of the real GPUs, one worker per GPU.')
+_HLO_DIR = flags.DEFINE_string('hlo_dir', None,
+                               'Where to write the programs\' HLO (gzip).')
+_LAYERS = flags.DEFINE_integer('num_layers', 4, 'Transformer blocks.')
+_D_MODEL = flags.DEFINE_integer('d_model', 512, 'Residual width.')
+_SEQ = flags.DEFINE_integer('seq_len', 256, 'Tokens per sequence.')
+_BATCH = flags.DEFINE_integer('batch', 16, 'Sequences per worker.')
+_DTYPE = flags.DEFINE_string('dtype', 'bfloat16', 'Activation dtype.')
+_PROFILE = flags.DEFINE_string(
+    'profile_dir', None, 'Where to write a profile (with a Perfetto trace) '
+    'of two calls of each window program.')
+_TIMED = flags.DEFINE_integer('timed', 0, 'Timed calls per program '
+                              '(0: compile and read schedules only).')
+
+# Streaming DiLoCo, H = 8, P = 2, tau = 2; Eager updates, H = 8 (the
+# trainer scans runs of 4 or more equal steps: 7 inner steps, one scan).
+H, FRAGMENTS, TAU, SCAN_FROM = 8, 2, 2, 4
+
+
+def _model():
+  from loc_opt import models  # pylint: disable=g-import-not-at-top
+  return models.build_model({
+      'name': 'transformer', 'vocab_size': 256, 'd_model': _D_MODEL.value,
+      'num_layers': _LAYERS.value, 'num_heads': max(1, _D_MODEL.value // 64),
+      'd_ff': 4 * _D_MODEL.value, 'max_len': _SEQ.value,
+      'dtype': _DTYPE.value})
+
+
+def _methods(model):
+  """name -> (transform, plan, steps a window overlaps)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import outer  # pylint: disable=g-import-not-at-top
+  inner = optax.adamw(1e-3)
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  ids = outer.fragment_ids(shapes, FRAGMENTS)
+  return {
+      'streaming_diloco': (
+          outer.streaming_diloco(inner, sync_every=H, fragments=ids,
+                                 overlap=TAU),
+          outer.streaming_plan(H, FRAGMENTS, TAU), TAU),
+      'eager_diloco': (outer.eager_diloco(inner, sync_every=H),
+                       outer.eager_plan(H), H),
+      'diloco': (outer.diloco(inner, sync_every=H), None, 0),
+  }
+
+
+def _step_fn(model, tx):
+  """``step(carry, batch, phase)`` of one worker, as the windows take it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import models  # pylint: disable=g-import-not-at-top
+
+  def loss(params, batch):
+    return models.lm_loss(model.apply(params, batch[:, :-1]), batch[:, 1:])
+
+  def step(carry, batch, phase):
+    params, state = carry
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, state = tx.update(grads, state, params, sync=phase)
+    return (optax.apply_updates(params, updates), state), value
+
+  return step
+
+
+def _first_window(plan, steps):
+  """The phases of the first window (a sync and ``steps`` after it)."""
+  count = next(c for c in range(4 * H) if plan.is_sync(plan(c)))
+  return count, plan.window(count, steps)
+
+
+def _compile(fn, mesh, args, options=None):
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  mapped = jax.jit(parallel.shard_map_workers(fn, mesh), donate_argnums=0)
+  return mapped.lower(*args).compile(compiler_options=options)
+
+
+def _programs(model, mesh, carry, batch):
+  """name -> (compiled program, the phases it runs, window or step)."""
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.parallel import overlap  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, (tx, plan, steps) in _methods(model).items():
+    step = _step_fn(model, tx)
+    abstract = carry[name]
+    if steps:
+      _, phases = _first_window(plan, steps)
+      window = parallel.overlap_window(step, phases, scan_from=SCAN_FROM)
+      xs = (batch,) * len(phases)
+      out[f'{name}/window'] = (_compile(
+          lambda c, xs, w=window: w(c, xs), mesh, (abstract, xs),
+          overlap.COMPILER_OPTIONS), phases, 'window')
+    else:
+      phases = (True,)  # DiLoCo's sync step: the average is read at once
+    for phase in sorted(set(phases), key=repr):
+      out[f'{name}/step{phase}'] = (_compile(
+          lambda c, x, p=phase: step(c, x, p), mesh, (abstract, batch)),
+          (phase,), 'step')
+  return out
+
+
+def _save_hlo(programs, hlo_dir) -> dict[str, str]:
+  """Each program's optimized HLO text, also written (gzip) to
+  ``hlo_dir`` when given."""
+  texts = {}
+  for name, (compiled, _, _) in programs.items():
+    texts[name] = compiled.as_text()
+    if hlo_dir:
+      path = pathlib.Path(hlo_dir) / (re.sub(r'[^\w.-]', '_', name.replace(
+          '/', '.')) + '.hlo.gz')
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_bytes(gzip.compress(texts[name].encode()))
+  return texts
+
+
+def schedule_rows(programs, texts, mesh) -> list[dict]:
+  """One row per cross-worker collective of each program: what its
+  schedule runs while the collective is in flight."""
+  from loc_opt.parallel import overlap  # pylint: disable=g-import-not-at-top
+  from loc_opt.parallel import schedule  # pylint: disable=g-import-not-at-top
+  rows = []
+  for name, (_, phases, kind) in programs.items():
+    for span in schedule.collective_schedule(texts[name], mesh):
+      rows.append({
+          'program': name, 'kind': kind, 'phases': repr(phases),
+          'collective': span.collective.kind, 'name': span.start.name,
+          'bytes_per_device': span.collective.bytes_per_device,
+          'async': span.is_async, 'scheduled_between': len(span.between),
+          'matmuls_in_flight': len(span.matmuls),
+          'steps_in_flight': sorted(schedule.steps_in_flight(
+              span, overlap.steps_of)),
+      })
+  return rows
+
+
+def _time(programs, carry, batches, timed):
+  """Median seconds per call of each program (mocked collectives)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, (compiled, phases, kind) in programs.items():
+    state = carry[name.split('/')[0]]()
+    xs = tuple(batches for _ in phases) if kind == 'window' else batches
+    times = []
+    for i in range(timed + 2):
+      t = time.perf_counter()
+      state, loss = compiled(state, xs)
+      jax.block_until_ready(loss)
+      if i >= 2:
+        times.append(time.perf_counter() - t)
+    out[name] = {'median_s': statistics.median(times),
+                 'steps': len(phases),
+                 'per_step_s': statistics.median(times) / len(phases)}
+  return out
+
+
+def _profile(programs, carries, batch, profile_dir) -> None:
+  """Two calls of each window program under ``jax.profiler``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+    for name, (compiled, phases, kind) in programs.items():
+      if kind != 'window':
+        continue
+      state = carries[name.split('/')[0]]()
+      for _ in range(2):
+        with jax.profiler.TraceAnnotation(name):
+          state, loss = compiled(state, (batch,) * len(phases))
+          jax.block_until_ready(loss)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  import jax  # pylint: disable=g-import-not-at-top
+  if _MOCK_PROCESSES.value:
+    jax.config.update('mock_num_gpu_processes', _MOCK_PROCESSES.value)
+  elif _MOCK.value:
+    jax.config.update('jax_mock_gpu_topology', _MOCK.value)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from experiments import _runs  # pylint: disable=g-import-not-at-top
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  mesh = parallel.make_worker_mesh(len(devices))
+  m = len(devices)
+  model = _model()
+  sharding = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+
+  def spec(s):  # the abstract stacked array of one worker's ``s``
+    return jax.ShapeDtypeStruct((m,) + s.shape, s.dtype, sharding=sharding)
+
+  def stacked(x):
+    x = np.broadcast_to(np.asarray(x), (m,) + np.shape(x))
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  txs = {n: v[0] for n, v in _methods(model).items()}
+  aparams = jax.tree.map(spec, jax.eval_shape(model.init, jax.random.key(0)))
+  abstract = {n: (aparams, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      jax.eval_shape(jax.vmap(tx.init), aparams))) for n, tx in txs.items()}
+  batch = jax.ShapeDtypeStruct((m, _BATCH.value, _SEQ.value + 1), jnp.int32,
+                               sharding=sharding)
+  programs = _programs(model, mesh, abstract, batch)
+  print(f'compiled {len(programs)} programs', flush=True)
+  texts = _save_hlo(programs, _HLO_DIR.value)
+  rows, error = [], None
+  try:
+    rows = schedule_rows(programs, texts, mesh)
+  except Exception as e:  # noqa: BLE001 (the HLO is saved to read again)
+    error = f'schedule: {type(e).__name__}: {e}'[:2000]
+  timing = {}
+  if _TIMED.value:
+    try:
+      params = jax.tree.map(stacked, jax.jit(model.init)(jax.random.key(0)))
+      copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                     out_shardings=sharding)
+
+      def carry_of(tx):  # a fresh carry: the programs donate theirs
+        # vmap, not shard_map: a state that is a NamedTuple would come back
+        # from shard_map as a plain tuple of its fields.
+        state = jax.jit(jax.vmap(tx.init), out_shardings=sharding)(params)
+        return copy(params), state
+
+      carries = {n: functools.partial(carry_of, tx) for n, tx in txs.items()}
+      tokens = np.random.default_rng(0).integers(
+          0, 256, (m, _BATCH.value, _SEQ.value + 1), dtype=np.int32)
+      batches = stacked(tokens[0])
+      timing = _time(programs, carries, batches, _TIMED.value)
+      if _PROFILE.value:
+        _profile(programs, carries, batches, _PROFILE.value)
+    except Exception as e:  # noqa: BLE001 (the schedules stand without it)
+      error = f'{error or ""} timing: {type(e).__name__}: {e}'[:4000]
+  info = {'devices': [str(d) for d in devices],
+          'device_kind': devices[0].device_kind, 'platform':
+          devices[0].platform, 'mock_topology': _MOCK.value,
+          'num_params': model.num_params, 'error': error}
+  results = {'schedule': rows, 'timing': timing, **info,
+             'sizes': {'num_layers': _LAYERS.value, 'd_model': _D_MODEL.value,
+                       'seq_len': _SEQ.value, 'batch': _BATCH.value,
+                       'dtype': _DTYPE.value}}
+  _runs.write(_WORKDIR.value, 'overlap_gpu', _markdown(results), results)
+
+
+def _markdown(results) -> str:
+  """Per program: its cross-worker collectives, how many run
+  asynchronously, and the matrix products (and their window steps) that the
+  schedule runs while one is in flight."""
+  lines = [f"{results['device_kind']} ({results['platform']}), mock "
+           f"topology {results['mock_topology']!r}, "
+           f"{results['num_params']:,} parameters", '',
+           '| program | phases | cross-worker collectives | async | bytes '
+           'per device | matmuls in flight (most under one) | their window '
+           'steps |', '|---|---|---|---|---|---|---|']
+  programs = {}
+  for r in results['schedule']:
+    programs.setdefault((r['program'], r['phases']), []).append(r)
+  for (name, phases), rows in programs.items():
+    steps = sorted({k for r in rows for k in r['steps_in_flight']})
+    lines.append(
+        f"| {name} | `{phases}` | {len(rows)} | "
+        f"{sum(r['async'] for r in rows)} | "
+        f"{sum(r['bytes_per_device'] for r in rows):,} | "
+        f"{max(r['matmuls_in_flight'] for r in rows)} | {steps} |")
+  if results['timing']:
+    lines += ['', '| program | steps | median s per step (mocked '
+              'collectives) |', '|---|---|---|']
+    for name, t in results['timing'].items():
+      lines.append(f"| {name} | {t['steps']} | {t['per_step_s']:.5f} |")
+  if results['error']:
+    lines += ['', f"failed: {results['error']}"]
+  return '\n'.join(lines) + '\n'
+
+
+if __name__ == '__main__':
+  app.run(main)
