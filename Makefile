@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 WORKDIR ?= workdirs/demo
 
-.PHONY: setup demo test docs clean
+.PHONY: setup demo test docs clean overlap-gpu
 
 setup: $(STAMP)
 
@@ -22,6 +22,19 @@ $(STAMP): pyproject.toml tools/find_python.sh
 
 demo: setup
 	$(PY) -m experiments.train --config=configs/diloco_lm.py --workdir=$(WORKDIR)
+
+# What XLA's GPU compiler schedules while each sync is in flight, compiled for
+# 4 H100s without a GPU (docs/overlap.md). JAX's CUDA plugin goes into a venv
+# of its own, as in the project's one it would make the launcher take the
+# GPU defaults; same versions of jax, flax, optax as the project's.
+CUDA_VENV ?= .venv-cuda
+overlap-gpu: setup
+	test -x $(CUDA_VENV)/bin/python || $(PY) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q $$($(PY) -c 'import importlib.metadata as m; \
+	  print(" ".join(f"{p}=={m.version(p)}" for p in ("flax", "optax", "ml_collections", "absl-py")))') \
+	  "jax[cuda13]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	JAX_PLATFORMS=cpu PYTHONPATH=. $(CUDA_VENV)/bin/python -m experiments.overlap_gpu \
+	  --workdir=$(WORKDIR)/overlap_gpu --target_config=experiments/reference/h100_target_config.pbtxt
 
 # Two pytest processes (pytest-xdist): the suite is mostly XLA compiles,
 # which run one per process. TEST_WORKERS=0 runs in this process.

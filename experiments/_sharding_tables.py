@@ -1,10 +1,13 @@
-"""Renderers of docs/sharding.md's compile-only tables.
+"""Renderers of the compile-only tables of docs/sharding.md and
+docs/overlap.md.
 
 ``experiments.scale_check`` (the ~1B and ~8B configs of
 ``configs/scale_lm.py``: memory and bytes of the compiled inner and sync
 steps), ``experiments.outer_state_memory`` (DiLoCo's outer state per
-layout) and ``experiments.sharded_sync_bytes`` (the sync's bytes,
-replicated against sharded outer state) write the results files;
+layout), ``experiments.sharded_sync_bytes`` (the sync's bytes,
+replicated against sharded outer state) and ``experiments.overlap_gpu``
+(what the GPU schedule runs while each sync is in flight) write the
+results files;
 ``experiments.tables`` renders them with these.
 """
 
@@ -95,4 +98,44 @@ def sharded_sync_bytes_main(data: dict[str, Any]) -> str:
         cells.append(' + '.join(f'{k} {v:,}' for k, v in kinds))
     lines.append(f"| {what}, {model}, {r['unit']} | {r['mesh']} "
                  f"| {cells[0]} | {cells[1]} |")
+  return '\n'.join(lines) + '\n'
+
+
+def overlap_gpu_main(data: dict[str, Any]) -> str:
+  """Per cross-worker collective of each program compiled for GPUs: its
+  size, whether it runs asynchronously, and the matrix products (and their
+  window steps) scheduled while it is in flight (``experiments.overlap_gpu``)."""
+  r = data['results']
+  sizes = r['sizes']
+  how = (f"compiled without a GPU for `{r['target_config']}`"
+         if r.get('target_config') else
+         f"mock GPU client ({r.get('mock_processes') or r['mock_topology']})")
+  lines = [
+      f"{len(r['devices'])} x {r['device_kind']}, one worker each ({how}); "
+      f"the LM at {r['num_params']:,} parameters ({sizes['num_layers']} "
+      f"layers, d_model {sizes['d_model']}, {sizes['batch']} x "
+      f"{sizes['seq_len']} tokens per worker, {sizes['dtype']}), AdamW "
+      'inside. A program\'s steps are numbered from its first (the sync); '
+      'a one-step program has no window steps. A collective in a branch '
+      'runs only when the plain mean is not finite (the guarded mean\'s '
+      'second round).', '',
+      '| program | phases | collective | runs | MB per device | async | '
+      'matmuls in flight | their window steps |',
+      '|---|---|---|---|---:|---|---:|---|']
+  for row in r['schedule']:
+    steps = (', '.join(map(str, row['steps_in_flight'])) or 'none'
+             if row['kind'] == 'window' else '-')
+    lines.append(
+        f"| {row['program']} | `{row['phases']}` | {row['name']} | "
+        f"{'in a branch' if row.get('in_branch') else 'always'} | "
+        f"{row['bytes_per_device'] / 1e6:.1f} | "
+        f"{'yes' if row['async'] else 'no'} | {row['matmuls_in_flight']} | "
+        f'{steps} |')
+  if r.get('timing'):
+    lines += ['', '| program | steps | median s per step (mocked '
+              'collectives) |', '|---|---|---|']
+    for name, t in r['timing'].items():
+      lines.append(f"| {name} | {t['steps']} | {t['per_step_s']:.5f} |")
+  if r.get('error'):
+    lines += ['', f"Failed: {r['error']}"]
   return '\n'.join(lines) + '\n'

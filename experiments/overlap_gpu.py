@@ -29,6 +29,7 @@ optimized HLO (gzip), to read again with
 
 import functools
 import gzip
+import os
 import pathlib
 import re
 import statistics
@@ -45,6 +46,13 @@ _MOCK = flags.DEFINE_string(
 _MOCK_PROCESSES = flags.DEFINE_integer(
     'mock_processes', 4, 'jax mock_num_gpu_processes (0: off, the real '
     'devices): that many hosts of the real GPUs, one worker per GPU.')
+_TARGET = flags.DEFINE_string(
+    'target_config', None, 'An XLA GpuTargetConfigProto (text): compile for '
+    'that GPU without one (e.g. experiments/reference/'
+    'h100_target_config.pbtxt; needs the CUDA plugin installed, not a GPU); '
+    'compile only.')
+_WORKERS = flags.DEFINE_integer('workers', 4, 'GPUs (one worker each) with '
+                                '--target_config.')
 _HLO_DIR = flags.DEFINE_string('hlo_dir', None,
                                'Where to write the programs\' HLO (gzip).')
 _LAYERS = flags.DEFINE_integer('num_layers', 4, 'Transformer blocks.')
@@ -80,7 +88,8 @@ def _methods(model):
   from loc_opt import outer  # pylint: disable=g-import-not-at-top
   inner = optax.adamw(1e-3)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
-  ids = outer.fragment_ids(shapes, FRAGMENTS)
+  # Blocks 0, 2 (with the embedding, final norm and head) and blocks 1, 3.
+  ids = outer.fragment_ids(shapes, FRAGMENTS, separate_non_block=False)
   return {
       'streaming_diloco': (
           outer.streaming_diloco(inner, sync_every=H, fragments=ids,
@@ -175,6 +184,7 @@ def schedule_rows(programs, texts, mesh) -> list[dict]:
           'program': name, 'kind': kind, 'phases': repr(phases),
           'collective': span.collective.kind, 'name': span.start.name,
           'bytes_per_device': span.collective.bytes_per_device,
+          'in_branch': span.collective.branch is not None,
           'async': span.is_async, 'scheduled_between': len(span.between),
           'matmuls_in_flight': len(span.matmuls),
           'steps_in_flight': sorted(schedule.steps_in_flight(
@@ -217,11 +227,30 @@ def _profile(programs, carries, batch, profile_dir) -> None:
           jax.block_until_ready(loss)
 
 
+def _devices():
+  """The GPUs to compile for: ``--target_config``'s, else the client's."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if not _TARGET.value:
+    return jax.devices()
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  text = pathlib.Path(_TARGET.value).read_text()
+  return topologies.get_topology_desc(
+      '', 'cuda', target_config=text,
+      topology=f'1x1x{_WORKERS.value}').devices
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _TARGET.value and _TIMED.value:
+    raise app.UsageError('--target_config compiles only: use --timed=0')
+  # Autotuning sharded over the (mocked) processes waits for them.
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_gpu_shard_autotuning=false')
   import jax  # pylint: disable=g-import-not-at-top
-  if _MOCK_PROCESSES.value:
+  if _TARGET.value:  # compile-only devices: no client to mock
+    pass
+  elif _MOCK_PROCESSES.value:
     jax.config.update('mock_num_gpu_processes', _MOCK_PROCESSES.value)
   elif _MOCK.value:
     jax.config.update('jax_mock_gpu_topology', _MOCK.value)
@@ -230,8 +259,8 @@ def main(argv):
 
   from experiments import _runs  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
-  devices = jax.devices()
-  mesh = parallel.make_worker_mesh(len(devices))
+  devices = _devices()
+  mesh = parallel.make_worker_mesh(len(devices), devices=devices)
   m = len(devices)
   model = _model()
   sharding = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
@@ -283,42 +312,16 @@ def main(argv):
   info = {'devices': [str(d) for d in devices],
           'device_kind': devices[0].device_kind, 'platform':
           devices[0].platform, 'mock_topology': _MOCK.value,
+          'mock_processes': _MOCK_PROCESSES.value,
+          'target_config': _TARGET.value,
           'num_params': model.num_params, 'error': error}
   results = {'schedule': rows, 'timing': timing, **info,
              'sizes': {'num_layers': _LAYERS.value, 'd_model': _D_MODEL.value,
                        'seq_len': _SEQ.value, 'batch': _BATCH.value,
                        'dtype': _DTYPE.value}}
-  _runs.write(_WORKDIR.value, 'overlap_gpu', _markdown(results), results)
-
-
-def _markdown(results) -> str:
-  """Per program: its cross-worker collectives, how many run
-  asynchronously, and the matrix products (and their window steps) that the
-  schedule runs while one is in flight."""
-  lines = [f"{results['device_kind']} ({results['platform']}), mock "
-           f"topology {results['mock_topology']!r}, "
-           f"{results['num_params']:,} parameters", '',
-           '| program | phases | cross-worker collectives | async | bytes '
-           'per device | matmuls in flight (most under one) | their window '
-           'steps |', '|---|---|---|---|---|---|---|']
-  programs = {}
-  for r in results['schedule']:
-    programs.setdefault((r['program'], r['phases']), []).append(r)
-  for (name, phases), rows in programs.items():
-    steps = sorted({k for r in rows for k in r['steps_in_flight']})
-    lines.append(
-        f"| {name} | `{phases}` | {len(rows)} | "
-        f"{sum(r['async'] for r in rows)} | "
-        f"{sum(r['bytes_per_device'] for r in rows):,} | "
-        f"{max(r['matmuls_in_flight'] for r in rows)} | {steps} |")
-  if results['timing']:
-    lines += ['', '| program | steps | median s per step (mocked '
-              'collectives) |', '|---|---|---|']
-    for name, t in results['timing'].items():
-      lines.append(f"| {name} | {t['steps']} | {t['per_step_s']:.5f} |")
-  if results['error']:
-    lines += ['', f"failed: {results['error']}"]
-  return '\n'.join(lines) + '\n'
+  from experiments import _sharding_tables  # pylint: disable=g-import-not-at-top
+  _runs.write(_WORKDIR.value, 'overlap_gpu', _sharding_tables.overlap_gpu_main(
+      {'results': results}), results)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,9 @@
 """loc_opt.parallel.schedule: what a scheduled program runs while each
 collective is in flight."""
 
+import gzip
+import pathlib
+
 import jax
 import pytest
 
@@ -104,3 +107,49 @@ def test_cpu_collectives_run_synchronously():
   assert spans and all(not s.is_async and s.between == () for s in spans)
   assert {s.collective.kind for s in spans} == {'all-reduce'}
   assert schedule.is_scheduled(compiled.as_text())
+
+
+# Programs XLA's GPU compiler scheduled for 4 H100s, one worker each
+# (compiled without a GPU: experiments/overlap_gpu.py --target_config=
+# experiments/reference/h100_target_config.pbtxt --num_layers=2
+# --d_model=256 --seq_len=128 --batch=8 --hlo_dir=...; the LM with AdamW).
+GPU_HLO = pathlib.Path(__file__).parent / 'gpu_hlo'
+
+
+def gpu_spans(name):
+  text = gzip.decompress((GPU_HLO / f'{name}.hlo.gz').read_bytes()).decode()
+  mesh4 = parallel.make_worker_mesh(4, devices=jax.devices()[:4])
+  spans = schedule.collective_schedule(text, mesh4)
+  # The guarded mean's second round (in a branch) runs only when the plain
+  # mean is not finite.
+  return [s for s in spans if s.collective.branch is None]
+
+
+def test_gpu_streaming_window_sends_behind_the_later_steps():
+  # Streaming DiLoCo, tau = 2: [send, inner, merge]. The fragment's mean is
+  # one asynchronous all-reduce, in flight while matmuls of the steps after
+  # the send run, and none of the send step's.
+  (span,) = gpu_spans('streaming_diloco.window')
+  assert span.is_async and span.collective.cross_worker
+  steps = schedule.steps_in_flight(span, overlap.steps_of)
+  assert steps and 0 not in steps and steps <= {1, 2}, steps
+
+
+def test_gpu_eager_round_runs_behind_the_average():
+  # Eager updates, H = 8: the round's average is in flight over the 7 inner
+  # steps (one lax.scan, counted whole), read at the next sync.
+  spans = gpu_spans('eager_diloco.window')
+  assert all(s.is_async for s in spans)
+  covered = set().union(*(schedule.steps_in_flight(s, overlap.steps_of)
+                          for s in spans))
+  assert set(range(1, 8)) <= covered, covered
+
+
+def test_gpu_diloco_sync_has_no_later_step_to_hide_behind():
+  # Plain DiLoCo's sync step reads its average at once: what runs while it
+  # is in flight is the step's own work (the backward of layers whose
+  # gradients are not in the bucket yet), never a window step.
+  spans = gpu_spans('diloco.stepTrue')
+  assert spans and all(s.is_async for s in spans)
+  assert all(not schedule.steps_in_flight(s, overlap.steps_of)
+             for s in spans)
