@@ -13,6 +13,7 @@ References:
   2021.
 """
 
+import functools
 import math
 
 import jax
@@ -78,21 +79,29 @@ def _causal_mask(scores: jax.Array) -> jax.Array:
   4 workers stacked, 1-3% of the step (``experiments.step_ab``-style
   alternating blocks).
   """
-  t = scores.shape[-1]
-  query = lax.broadcasted_iota(jnp.int32, (t, t), 0)
-  key = lax.broadcasted_iota(jnp.int32, (t, t), 1)
+  return _causal_mask_from(scores, 0)
+
+
+def _causal_mask_from(scores: jax.Array, first: int) -> jax.Array:
+  """:func:`_causal_mask` of ``[..., Tq, Tk]`` scores of the queries
+  ``first .. first + Tq - 1`` against the keys ``0 .. Tk - 1``."""
+  tq, tk = scores.shape[-2:]
+  query = lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + first
+  key = lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
   return jnp.where(query >= key, scores, jnp.finfo(jnp.float32).min)
 
 
-def _softmax_probs(scores: jax.Array, keep_probs: bool) -> jax.Array:
-  """The causal softmax of ``[..., T, T]`` float32 scores
-  (:func:`_causal_mask`; a masked score's probability is 0).
+def _softmax_probs(scores: jax.Array, keep_probs: bool,
+                   first: int = 0) -> jax.Array:
+  """The causal softmax of ``[..., Tq, Tk]`` float32 scores of the queries
+  from ``first`` on (:func:`_causal_mask_from`; a masked score's
+  probability is 0).
 
   ``keep_probs`` computes the probabilities into an array of their own (an
   optimization barrier) instead of letting XLA fuse the softmax into the
   matmuls that read them; the values are the same.
   """
-  probs = jax.nn.softmax(_causal_mask(scores), axis=-1)
+  probs = jax.nn.softmax(_causal_mask_from(scores, first), axis=-1)
   return lax.optimization_barrier(probs) if keep_probs else probs
 
 
@@ -177,22 +186,72 @@ def _narrow_attention_bwd(residuals, d_out):
 _narrow_attention.defvjp(_narrow_attention_fwd, _narrow_attention_bwd)
 
 
-def _rope_attention_fwd_heads(q, k, v, sin, cos):
+def query_blocks(length: int, blocks: int) -> int:
+  """The query blocks :func:`rope_attention` uses for ``length`` tokens:
+  ``blocks`` where it divides ``length``, else 1."""
+  return blocks if blocks > 1 and length % blocks == 0 else 1
+
+
+def _blocked_attention_heads(qh, kh, vh, blocks: int):
+  """The causal einsum attention of heads-major ``[B, H, T, Dh]`` queries,
+  keys and values, the queries in ``blocks`` equal blocks: block ``i``
+  scores only the keys up to its last query (the keys after it are masked
+  for all of its queries), so the ``blocks (blocks - 1) / 2`` blocks of
+  scores above the diagonal are never computed (a quarter of them for 2
+  blocks). Returns ``(output [B, H, T, Dh], probabilities)``, one
+  ``[B, H, T / blocks, (i + 1) T / blocks]`` array per block. A masked
+  score's probability is 0 either way, so the values are those of the full
+  ``[T, T]`` formula up to the order of the sums."""
+  size = qh.shape[2] // blocks
+  outs, probs = [], []
+  for i in range(blocks):
+    end = (i + 1) * size
+    scores = jnp.einsum(
+        'bhqd,bhkd->bhqk', qh[:, :, i * size:end], kh[:, :, :end],
+        preferred_element_type=jnp.float32) / math.sqrt(qh.shape[-1])
+    probs.append(_softmax_probs(scores, keep_probs=True, first=i * size))
+    outs.append(jnp.einsum('bhqk,bhkd->bhqd', probs[-1], vh[:, :, :end]))
+  out = outs[0] if blocks == 1 else jnp.concatenate(outs, axis=2)
+  return out, tuple(probs)
+
+
+def _blocked_attention_bwd_heads(qh, kh, vh, probs, dh):
+  """:func:`_attention_bwd_heads` of :func:`_blocked_attention_heads`: each
+  block's gradients from its own keys, the key and value gradients of the
+  blocks summed into the slices they read (the last block reads them
+  all)."""
+  blocks = len(probs)
+  size = qh.shape[2] // blocks
+  dqs, dk_t, dv_t = [], None, None
+  for i in reversed(range(blocks)):
+    end = (i + 1) * size
+    rows = slice(i * size, end)
+    dq, dk_i, dv_i = _attention_bwd_heads(
+        qh[:, :, rows], kh[:, :, :end], vh[:, :, :end], probs[i],
+        dh[:, :, rows])
+    dqs.insert(0, dq)
+    if dk_t is None:
+      dk_t, dv_t = dk_i, dv_i
+    else:
+      dk_t = dk_t.at[..., :end].add(dk_i)
+      dv_t = dv_t.at[..., :end].add(dv_i)
+  dq = dqs[0] if blocks == 1 else jnp.concatenate(dqs, axis=2)
+  return dq, dk_t, dv_t
+
+
+def _rope_attention_fwd_heads(q, k, v, sin, cos, blocks):
   """The output ``[B, T, H, Dh]`` of RoPE then the einsum attention, and
   the heads-major rotated queries, keys, values and the probabilities."""
   qh, kh = (_heads_major(apply_rope(x, sin, cos)) for x in (q, k))
   vh = _heads_major(v)
-  scores = jnp.einsum(
-      'bhqd,bhkd->bhqk', qh, kh, preferred_element_type=jnp.float32
-  ) / math.sqrt(q.shape[-1])
-  probs = _softmax_probs(scores, keep_probs=True)
-  out = _heads_major(jnp.einsum('bhqk,bhkd->bhqd', probs, vh))
-  return out, (qh, kh, vh, probs)
+  out, probs = _blocked_attention_heads(
+      qh, kh, vh, query_blocks(q.shape[1], blocks))
+  return _heads_major(out), (qh, kh, vh, probs)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def rope_attention(q: jax.Array, k: jax.Array, v: jax.Array, sin: jax.Array,
-                   cos: jax.Array) -> jax.Array:
+                   cos: jax.Array, blocks: int = 1) -> jax.Array:
   """Causal attention of float32 ``[B, T, H, Dh]`` queries and keys before
   RoPE (:func:`apply_rope` with ``sin``, ``cos``) and values.
 
@@ -204,19 +263,26 @@ def rope_attention(q: jax.Array, k: jax.Array, v: jax.Array, sin: jax.Array,
   no gradient flows to ``sin`` and ``cos`` (constants of the model). The
   model uses it under ``weight_grad`` narrow and ``backward`` fused (the
   CPU defaults); the gradients agree with JAX's rules to float32 rounding.
+
+  ``blocks`` (static; :func:`query_blocks` of ``T``) splits the queries
+  into blocks that skip the scores above the diagonal
+  (:func:`_blocked_attention_heads`; ``model.causal_blocks``). With 1 the
+  forward is bit-identical to ``attend``'s; with more, equal to float32
+  rounding (the products sum over fewer zeros).
   """
-  return _rope_attention_fwd_heads(q, k, v, sin, cos)[0]
+  return _rope_attention_fwd_heads(q, k, v, sin, cos, blocks)[0]
 
 
-def _rope_attention_fwd(q, k, v, sin, cos):
-  out, heads = _rope_attention_fwd_heads(q, k, v, sin, cos)
+def _rope_attention_fwd(q, k, v, sin, cos, blocks):
+  out, heads = _rope_attention_fwd_heads(q, k, v, sin, cos, blocks)
   return out, (heads, sin, cos)
 
 
-def _rope_attention_bwd(residuals, d_out):
+def _rope_attention_bwd(blocks, residuals, d_out):
+  del blocks  # the probabilities' shapes hold it
   (qh, kh, vh, probs), sin, cos = residuals
-  dq, dk_t, dv_t = _attention_bwd_heads(qh, kh, vh, probs,
-                                        _heads_major(d_out))
+  dq, dk_t, dv_t = _blocked_attention_bwd_heads(qh, kh, vh, probs,
+                                                _heads_major(d_out))
   c, s = _rope_factors(sin, cos, inverse=True)
   unrotate = lambda g: g * c + _swap_halves(g) * s
   return (unrotate(_heads_major(dq)), unrotate(_tokens_major_of_t(dk_t)),

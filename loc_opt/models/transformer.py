@@ -70,6 +70,7 @@ from loc_opt.models import weight_grad as _weight_grad
 from loc_opt.models.attention import ATTENTION
 from loc_opt.models.attention import apply_rope
 from loc_opt.models.attention import attend
+from loc_opt.models.attention import query_blocks
 from loc_opt.models.attention import rope_attention
 from loc_opt.models.attention import rope_tables
 
@@ -143,6 +144,13 @@ class TransformerConfig:
       only; the forwards are the same operations, the gradients equal to
       JAX's rules to float32 rounding. ``'xla'``: JAX's rules. ``'auto'``
       (default): ``'fused'`` on CPU, ``'xla'`` elsewhere.
+    causal_blocks: query blocks of the causal attention where
+      :func:`rope_attention` computes it (``weight_grad`` narrow and
+      ``backward`` fused, float32): block ``i`` scores only the keys up to
+      its last query, so the blocks of scores above the diagonal are not
+      computed (a quarter of the scores for 2). 1 computes all ``T x T``;
+      a count that does not divide ``T`` falls back to 1. The outputs and
+      gradients equal the full formula's to float32 rounding.
   """
 
   vocab_size: int = 256
@@ -159,11 +167,13 @@ class TransformerConfig:
   remat: str = 'none'
   weight_grad: str = 'auto'
   backward: str = 'auto'
+  causal_blocks: int = 2
 
   def __post_init__(self):
     core.check_positive(
         self,
-        ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len'),
+        ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len',
+         'causal_blocks'),
     )
     if self.d_model % self.num_heads:
       raise ValueError(
@@ -280,7 +290,7 @@ class Attention(nnx.Module):
     with jax.named_scope('attention_core'):
       if (config.attention == 'einsum' and weight_grad == 'narrow'
           and config.fused()):
-        y = rope_attention(q, k, v, sin, cos)
+        y = rope_attention(q, k, v, sin, cos, config.causal_blocks)
       else:
         y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
                    config.attention, weight_grad)

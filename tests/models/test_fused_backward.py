@@ -110,19 +110,24 @@ def _rope_inputs(shape=(2, 16, 4, 8)):
   return q, k, v, d_out, sin, cos
 
 
-def test_rope_attention_forward_identical_gradients_close():
+@pytest.mark.parametrize('blocks', [1, 2, 4, 3])
+def test_rope_attention_equals_jax_rules(blocks):
+  # One block: the forward bit-identical to the einsum formula's. More
+  # (3 does not divide T = 16: one block): the scores above the diagonal's
+  # blocks are skipped, equal to float32 rounding.
   q, k, v, d_out, sin, cos = _rope_inputs()
 
   def reference(q, k, v):  # JAX's rules through RoPE and the einsum formula
     rope = lambda x: tfm.apply_rope(x, sin, cos)
     return tfm.attend(rope(q), rope(k), v, 'einsum', 'xla')
 
-  fused = lambda q, k, v: tfm.rope_attention(q, k, v, sin, cos)
+  fused = lambda q, k, v: tfm.rope_attention(q, k, v, sin, cos, blocks)
   out_want, pull_want = jax.vjp(reference, q, k, v)
   out, pull = jax.vjp(fused, q, k, v)
-  np.testing.assert_array_equal(
-      np.asarray(jax.jit(fused)(q, k, v)), np.asarray(jax.jit(reference)(
-          q, k, v)))
+  if tfm.query_blocks(q.shape[1], blocks) == 1:
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(fused)(q, k, v)), np.asarray(jax.jit(reference)(
+            q, k, v)))
   _close(out, out_want)
   want = pull_want(d_out)
   got = pull(d_out)
@@ -130,6 +135,20 @@ def test_rope_attention_forward_identical_gradients_close():
     _close(a, b)
   # The keys' gradient is not the queries': the check bites.
   assert not np.allclose(got[1], want[0], rtol=1e-2)
+
+
+def test_causal_blocks_skip_the_scores_above_the_diagonal():
+  # Two blocks of 8 queries of T = 16: the residual probabilities are
+  # [.., 8, 8] and [.., 8, 16], three quarters of the full [.., 16, 16].
+  q, k, v, d_out, sin, cos = _rope_inputs()
+  _, residuals = jax.vjp(lambda q: tfm.rope_attention(q, k, v, sin, cos, 2),
+                         q)
+  shapes = sorted(x.shape[-2:] for x in jax.tree.leaves(residuals)
+                  if x.ndim == 4 and x.shape[-2] == 8)
+  assert shapes == [(8, 8), (8, 16)], shapes
+  assert tfm.query_blocks(16, 2) == 2 and tfm.query_blocks(15, 2) == 1
+  with pytest.raises(ValueError, match='causal_blocks must be a positive'):
+    tfm.TransformerConfig(causal_blocks=0)
 
 
 @pytest.mark.parametrize('fields', [
