@@ -110,9 +110,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (loc_opt.models.fused_backward; one pass each, float32; faster on
   # XLA:CPU, gradients equal to JAX's rules to float32 rounding).
   c.model.backward = 'auto'
-  # Query blocks of the causal attention under those rules: the scores
-  # above the diagonal's blocks are skipped (loc_opt.models.attention).
-  c.model.causal_blocks = 2
+  # Query blocks of the causal attention under those rules, skipping the
+  # scores above the diagonal's blocks: 'auto' (2 in a CPU process on one
+  # core, else 1) or a count (loc_opt.models.attention).
+  c.model.causal_blocks = 'auto'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

@@ -122,8 +122,8 @@ LEVERS = {
     'blocks under lax.scan': ('', ('--config.model.scan_layers=True',)),
     'jax.nn.dot_product_attention (xla)': (
         '', ('--config.model.attention=xla',)),
-    'all T x T attention scores (model.causal_blocks=1)': (
-        '', ('--config.model.causal_blocks=1',)),
+    'attention queries in 2 blocks (model.causal_blocks=2)': (
+        '', ('--config.model.causal_blocks=2',)),
     'XLA:CPU oneDNN': ('--xla_cpu_use_onednn=true', ()),
     'XLA:CPU XNNPACK': ('--xla_cpu_use_xnnpack=true', ()),
     'XLA:CPU without YNNPACK fusions': (

@@ -15,6 +15,7 @@ References:
 
 import functools
 import math
+import os
 
 import jax
 from jax import lax
@@ -184,6 +185,25 @@ def _narrow_attention_bwd(residuals, d_out):
 
 
 _narrow_attention.defvjp(_narrow_attention_fwd, _narrow_attention_bwd)
+
+
+def resolve_causal_blocks(value: int | str) -> int:
+  """``model.causal_blocks``: an int as given; ``'auto'``: 2 in a CPU process
+  that runs on one core, else 1.
+
+  The blocks' matmuls are half the size. On one thread the skipped scores
+  win (the launcher's step 1.014-1.023x at the 853k and 1.48M LMs, as in
+  the stacked workers of ``--local_processes=2``); split over the threads
+  of two cores the smaller matmuls lose more (0.94-0.99x;
+  ``docs/benchmarks.md``, round 7).
+  """
+  if value != 'auto':
+    return value
+  if jax.default_backend() != 'cpu':
+    return 1
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+           else os.cpu_count())
+  return 2 if cores == 1 else 1
 
 
 def query_blocks(length: int, blocks: int) -> int:

@@ -71,6 +71,7 @@ from loc_opt.models.attention import ATTENTION
 from loc_opt.models.attention import apply_rope
 from loc_opt.models.attention import attend
 from loc_opt.models.attention import query_blocks
+from loc_opt.models.attention import resolve_causal_blocks
 from loc_opt.models.attention import rope_attention
 from loc_opt.models.attention import rope_tables
 
@@ -150,7 +151,9 @@ class TransformerConfig:
       its last query, so the blocks of scores above the diagonal are not
       computed (a quarter of the scores for 2). 1 computes all ``T x T``;
       a count that does not divide ``T`` falls back to 1. The outputs and
-      gradients equal the full formula's to float32 rounding.
+      gradients equal the full formula's to float32 rounding. ``'auto'``
+      (default): 2 in a CPU process on one core, else 1
+      (:func:`loc_opt.models.attention.resolve_causal_blocks`).
   """
 
   vocab_size: int = 256
@@ -167,14 +170,15 @@ class TransformerConfig:
   remat: str = 'none'
   weight_grad: str = 'auto'
   backward: str = 'auto'
-  causal_blocks: int = 2
+  causal_blocks: Any = 'auto'
 
   def __post_init__(self):
     core.check_positive(
         self,
-        ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len',
-         'causal_blocks'),
+        ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len'),
     )
+    if self.causal_blocks != 'auto':
+      core.check_positive(self, ('causal_blocks',))
     if self.d_model % self.num_heads:
       raise ValueError(
           f'model.d_model ({self.d_model}) must be divisible by '
@@ -290,7 +294,8 @@ class Attention(nnx.Module):
     with jax.named_scope('attention_core'):
       if (config.attention == 'einsum' and weight_grad == 'narrow'
           and config.fused()):
-        y = rope_attention(q, k, v, sin, cos, config.causal_blocks)
+        y = rope_attention(q, k, v, sin, cos,
+                           resolve_causal_blocks(config.causal_blocks))
       else:
         y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
                    config.attention, weight_grad)

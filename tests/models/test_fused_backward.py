@@ -151,6 +151,15 @@ def test_causal_blocks_skip_the_scores_above_the_diagonal():
     tfm.TransformerConfig(causal_blocks=0)
 
 
+def test_causal_blocks_auto_splits_only_on_one_core(monkeypatch):
+  assert tfm.resolve_causal_blocks(3) == 3
+  monkeypatch.setattr('os.sched_getaffinity', lambda pid: {0})
+  assert tfm.resolve_causal_blocks('auto') == 2
+  monkeypatch.setattr('os.sched_getaffinity', lambda pid: {0, 1})
+  assert tfm.resolve_causal_blocks('auto') == 1
+  assert tfm.TransformerConfig().causal_blocks == 'auto'
+
+
 @pytest.mark.parametrize('fields', [
     {}, {'weight_grad': 'xla'}, {'remat': 'dots'},
     {'scan_layers': True, 'remat': 'full'}],
