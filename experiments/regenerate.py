@@ -58,7 +58,7 @@ _STEP_AB_VARIANTS = (
     '--variant=backward_xla=model.backward=xla',
     '--variant=jax_rules=model.weight_grad=xla,model.backward=xla',
     '--variant=dot_product_attention=model.attention=xla',
-    '--variant=query_blocks_2=model.causal_blocks=2')
+    "--variant=query_blocks_2=model.causal_blocks='2'")
 
 BENCHMARKS: dict[str, Benchmark] = {
     'wire_bytes': Benchmark('wire_bytes'),

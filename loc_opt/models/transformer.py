@@ -153,7 +153,8 @@ class TransformerConfig:
       a count that does not divide ``T`` falls back to 1. The outputs and
       gradients equal the full formula's to float32 rounding. ``'auto'``
       (default): 2 in a CPU process on one core, else 1
-      (:func:`loc_opt.models.attention.resolve_causal_blocks`).
+      (:func:`loc_opt.models.attention.resolve_causal_blocks`); a count may
+      come as a string (``--config.model.causal_blocks=2``).
   """
 
   vocab_size: int = 256
@@ -177,6 +178,12 @@ class TransformerConfig:
         self,
         ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len'),
     )
+    if isinstance(self.causal_blocks, str) and self.causal_blocks != 'auto':
+      # A config file's 'auto' field takes a count as a string.
+      if not self.causal_blocks.isdigit():
+        raise ValueError("model.causal_blocks must be 'auto' or a positive "
+                         f'int, got {self.causal_blocks!r}')
+      object.__setattr__(self, 'causal_blocks', int(self.causal_blocks))
     if self.causal_blocks != 'auto':
       core.check_positive(self, ('causal_blocks',))
     if self.d_model % self.num_heads:

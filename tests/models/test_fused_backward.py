@@ -158,6 +158,9 @@ def test_causal_blocks_auto_splits_only_on_one_core(monkeypatch):
   monkeypatch.setattr('os.sched_getaffinity', lambda pid: {0, 1})
   assert tfm.resolve_causal_blocks('auto') == 1
   assert tfm.TransformerConfig().causal_blocks == 'auto'
+  assert tfm.TransformerConfig(causal_blocks='2').causal_blocks == 2
+  with pytest.raises(ValueError, match="'auto' or a positive int"):
+    tfm.TransformerConfig(causal_blocks='two')
 
 
 @pytest.mark.parametrize('fields', [
