@@ -194,8 +194,8 @@ def resolve_causal_blocks(value: int | str) -> int:
   The blocks' matmuls are half the size. On one thread the skipped scores
   win (the launcher's step 1.014-1.023x at the 853k and 1.48M LMs, as in
   the stacked workers of ``--local_processes=2``); split over the threads
-  of two cores the smaller matmuls lose more (0.94-0.99x;
-  ``docs/benchmarks.md``, round 7).
+  of two cores the smaller matmuls parallelize worse, and two blocks did
+  not win (0.94-1.015x; ``docs/benchmarks.md``, round 7).
   """
   if value != 'auto':
     return value
