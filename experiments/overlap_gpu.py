@@ -239,6 +239,40 @@ def _devices():
       topology=f'1x1x{_WORKERS.value}').devices
 
 
+def _run_timed(model, mesh, txs, programs):
+  """Real arrays (the first worker's on the real GPU under the mock
+  client), then :func:`_time` and, with ``--profile_dir``, :func:`_profile`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  m = mesh.shape[parallel.WORKER]
+  sharding = jax.NamedSharding(mesh, jax.P(parallel.WORKER))
+
+  def stacked(x):
+    x = np.broadcast_to(np.asarray(x), (m,) + np.shape(x))
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  params = jax.tree.map(stacked, jax.jit(model.init)(jax.random.key(0)))
+  copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=sharding)
+
+  def carry_of(tx):  # a fresh carry: the programs donate theirs
+    # vmap, not shard_map: a state that is a NamedTuple would come back
+    # from shard_map as a plain tuple of its fields.
+    state = jax.jit(jax.vmap(tx.init), out_shardings=sharding)(params)
+    return copy(params), state
+
+  carries = {n: functools.partial(carry_of, tx) for n, tx in txs.items()}
+  tokens = np.random.default_rng(0).integers(
+      0, 256, (m, _BATCH.value, _SEQ.value + 1), dtype=np.int32)
+  batches = stacked(tokens[0])
+  timing = _time(programs, carries, batches, _TIMED.value)
+  if _PROFILE.value:
+    _profile(programs, carries, batches, _PROFILE.value)
+  return timing
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -255,7 +289,6 @@ def main(argv):
   elif _MOCK.value:
     jax.config.update('jax_mock_gpu_topology', _MOCK.value)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from experiments import _runs  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
@@ -267,10 +300,6 @@ def main(argv):
 
   def spec(s):  # the abstract stacked array of one worker's ``s``
     return jax.ShapeDtypeStruct((m,) + s.shape, s.dtype, sharding=sharding)
-
-  def stacked(x):
-    x = np.broadcast_to(np.asarray(x), (m,) + np.shape(x))
-    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
   txs = {n: v[0] for n, v in _methods(model).items()}
   aparams = jax.tree.map(spec, jax.eval_shape(model.init, jax.random.key(0)))
@@ -290,23 +319,7 @@ def main(argv):
   timing = {}
   if _TIMED.value:
     try:
-      params = jax.tree.map(stacked, jax.jit(model.init)(jax.random.key(0)))
-      copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                     out_shardings=sharding)
-
-      def carry_of(tx):  # a fresh carry: the programs donate theirs
-        # vmap, not shard_map: a state that is a NamedTuple would come back
-        # from shard_map as a plain tuple of its fields.
-        state = jax.jit(jax.vmap(tx.init), out_shardings=sharding)(params)
-        return copy(params), state
-
-      carries = {n: functools.partial(carry_of, tx) for n, tx in txs.items()}
-      tokens = np.random.default_rng(0).integers(
-          0, 256, (m, _BATCH.value, _SEQ.value + 1), dtype=np.int32)
-      batches = stacked(tokens[0])
-      timing = _time(programs, carries, batches, _TIMED.value)
-      if _PROFILE.value:
-        _profile(programs, carries, batches, _PROFILE.value)
+      timing = _run_timed(model, mesh, txs, programs)
     except Exception as e:  # noqa: BLE001 (the schedules stand without it)
       error = f'{error or ""} timing: {type(e).__name__}: {e}'[:4000]
   info = {'devices': [str(d) for d in devices],
