@@ -108,6 +108,9 @@ def _step_fn(model, tx):
 
   from loc_opt import models  # pylint: disable=g-import-not-at-top
 
+  # loc_opt.train.programs.loss_fn's loss; not imported from there, as
+  # loc_opt.train pulls in TFDS and Orbax, which the CUDA venv of
+  # `make overlap-gpu` does not install.
   def loss(params, batch):
     return models.lm_loss(model.apply(params, batch[:, :-1]), batch[:, 1:])
 

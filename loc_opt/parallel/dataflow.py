@@ -220,15 +220,12 @@ def collective_dataflow(
   Raises:
     ValueError: as :func:`loc_opt.parallel.collective_bytes`.
   """
-  text, order = hlo_lib.read_program(program)
-  parsed = hlo_text.parse_module(text)
-  report = hlo_lib.report_of(parsed, mesh, worker_axis, order)
-  graph = _Graph(parsed[1])
+  _, comps, collectives = hlo_lib.read_collectives(
+      program, mesh, worker_axis, cross_worker_only)
+  graph = _Graph(comps)
   where = {name: (comp, name) for comp, name in graph.nodes}
   out = []
-  for c in report.collectives:
-    if cross_worker_only and not c.cross_worker:
-      continue
+  for c in collectives:
     key = where[c.name]
     out.append(CollectiveDataflow(
         collective=c, node=graph.nodes[key],

@@ -294,6 +294,19 @@ def read_program(program) -> tuple[str, list[int] | None]:
   return program, order
 
 
+def read_collectives(program, mesh, worker_axis: str,
+                     cross_worker_only: bool):
+  """``(HLO text, {computation: [Instr]}, collectives)`` of a program given
+  as in :func:`collective_bytes`: its collectives in program order, only
+  those that span two workers with ``cross_worker_only`` (the common start
+  of ``collective_dataflow`` and ``collective_schedule``)."""
+  text, order = read_program(program)
+  parsed = hlo_text.parse_module(text)
+  report = report_of(parsed, mesh, worker_axis, order)
+  return text, parsed[1], [c for c in report.collectives
+                           if c.cross_worker or not cross_worker_only]
+
+
 def report_of(parsed, mesh, worker_axis, order) -> CollectiveReport:
   """The :class:`CollectiveReport` of ``hlo_text.parse_module``'s output."""
   header, comps, entry = parsed

@@ -111,20 +111,14 @@ def collective_schedule(
     ValueError: the module is not scheduled (its order says nothing), or
       as :func:`loc_opt.parallel.collective_bytes`.
   """
-  text, order = hlo_lib.read_program(program)
+  text, comps, collectives = hlo_lib.read_collectives(
+      program, mesh, worker_axis, cross_worker_only)
   if not is_scheduled(text):
     raise ValueError('the HLO module is not scheduled (no is_scheduled=true '
                      'in its header): pass the compiled program, whose '
                      'instructions are printed in the order they run')
-  parsed = hlo_text.parse_module(text)
-  report = hlo_lib.report_of(parsed, mesh, worker_axis, order)
-  index = _Index(parsed[1])
-  out = []
-  for c in report.collectives:
-    if cross_worker_only and not c.cross_worker:
-      continue
-    out.append(index.span(c))
-  return tuple(out)
+  index = _Index(comps)
+  return tuple(index.span(c) for c in collectives)
 
 
 class _Index:

@@ -1,6 +1,9 @@
 """Helpers shared by the trainer tests: a tiny config, array leaves, and
 waiting for a launched run's steps."""
 
+import os
+import signal
+import subprocess
 import time
 
 import jax
@@ -100,3 +103,22 @@ def wait_for_steps(proc, metrics, n: int, timeout: float) -> None:
       return
     time.sleep(0.02)
   raise AssertionError(f'no {n} steps after {timeout}s')
+
+
+def preempt_after_steps(cmd, cwd, env, workdir, n: int, timeout: float):
+  """Starts the run ``cmd`` (its own process group), sends it SIGTERM once
+  it has logged ``n`` steps to ``workdir/metrics.jsonl`` (see
+  :func:`wait_for_steps`) and waits for it to end; kills the group if it
+  does not. Returns ``(returncode, stdout, stderr)``."""
+  proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  try:
+    wait_for_steps(proc, workdir / 'metrics.jsonl', n, timeout)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+  return proc.returncode, out, err

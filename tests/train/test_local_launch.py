@@ -15,7 +15,7 @@ import pytest
 
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import local_launch
-from tests.train._helpers import wait_for_steps
+from tests.train._helpers import preempt_after_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
@@ -179,18 +179,9 @@ def test_sigterm_to_local_processes_saves_and_resumes_exactly(tmp_path):
   assert full.returncode == 0, full.stderr[-3000:]
   workdir = tmp_path / 'run'
   cmd = _train_cmd(workdir, '--local_processes=2', **fields)
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True,
-                          start_new_session=True)
-  try:
-    wait_for_steps(proc, workdir / 'metrics.jsonl', 3, TIMEOUT_S)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.communicate()
-  assert proc.returncode == 0, err[-3000:]
+  returncode, out, err = preempt_after_steps(cmd, ROOT, ENV, workdir, 3,
+                                             TIMEOUT_S)
+  assert returncode == 0, err[-3000:]
   step = ckpt_lib.latest_step(workdir)
   assert step is not None and 3 <= step < 120, (step, out)
   assert f'preempted: saved a checkpoint at step {step} ' in out, out

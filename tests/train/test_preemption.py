@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import preemption
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
-from tests.train._helpers import wait_for_steps
+from tests.train._helpers import preempt_after_steps
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _STEPS = 200
@@ -45,18 +44,9 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(data_dir,
   full = train.train_and_evaluate(config, tmp_path / 'full')  # builds data
   workdir = tmp_path / 'run'
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS='cpu')
-  proc = subprocess.Popen(_cli(workdir, data_dir), cwd=_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True)
-  try:
-    wait_for_steps(proc, workdir / 'metrics.jsonl', 3, timeout=240)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.communicate()
-  assert proc.returncode == 0, err
+  returncode, out, err = preempt_after_steps(_cli(workdir, data_dir), _ROOT,
+                                             env, workdir, 3, 240)
+  assert returncode == 0, err
   step = ckpt_lib.latest_step(workdir)
   assert step is not None and 3 <= step < _STEPS, (step, out)
   assert f'preempted: saved a checkpoint at step {step} ' in out, out
