@@ -131,11 +131,39 @@ def overlap_gpu_main(data: dict[str, Any]) -> str:
         f"{row['bytes_per_device'] / 1e6:.1f} | "
         f"{'yes' if row['async'] else 'no'} | {row['matmuls_in_flight']} | "
         f'{steps} |')
+  buffers = ('' if r.get('command_buffers', True) else
+             ', GPU command buffers off')
   if r.get('timing'):
-    lines += ['', '| program | steps | median s per step (mocked '
-              'collectives) |', '|---|---|---|']
+    lines += ['', f'| program | steps | median s per step (mocked '
+              f'collectives{buffers}) |', '|---|---|---|']
     for name, t in r['timing'].items():
       lines.append(f"| {name} | {t['steps']} | {t['per_step_s']:.5f} |")
+  if r.get('profile'):
+    lines += _profile_lines(r['profile'], len(r['devices']), buffers)
   if r.get('error'):
     lines += ['', f"Failed: {r['error']}"]
   return '\n'.join(lines) + '\n'
+
+
+def _profile_lines(rows, workers: int, buffers: str) -> list[str]:
+  """The profile's table: device time in flight per collective."""
+  lines = ['', f'Profiled (the last of two calls{buffers}): the device time '
+           "of the kernels scheduled while each collective is in flight, "
+           "and the link per worker at which a ring all-reduce of its bytes "
+           f'among {workers} workers takes exactly that long (it is hidden '
+           'in full on any faster link).', '',
+           '| program | collective | MB per device | kernels in flight | '
+           'ms in flight | the call\'s kernels, ms | hidden from Gbit/s |',
+           '|---|---|---:|---:|---:|---:|---:|']
+  for row in rows:
+    gbps = row['gbps_hidden']
+    loose = (f" ({row['unattributed_kernels']} not attributed)"
+             if row['unattributed_kernels'] else '')
+    lines.append(
+        f"| {row['program']} | {row['name']}"
+        f"{' (in a branch)' if row['in_branch'] else ''} | "
+        f"{row['bytes_per_device'] / 1e6:.1f} | {row['kernels_in_flight']} | "
+        f"{row['in_flight_s'] * 1e3:.2f} | "
+        f"{row['call_busy_s'] * 1e3:.2f}{loose} | "
+        f"{'-' if gbps is None else f'{gbps:,.0f}'} |")
+  return lines

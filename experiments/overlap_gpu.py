@@ -62,9 +62,15 @@ _BATCH = flags.DEFINE_integer('batch', 16, 'Sequences per worker.')
 _DTYPE = flags.DEFINE_string('dtype', 'bfloat16', 'Activation dtype.')
 _PROFILE = flags.DEFINE_string(
     'profile_dir', None, 'Where to write a profile (with a Perfetto trace) '
-    'of two calls of each window program.')
+    'of two calls of each window program, read back for the device time in '
+    'flight; turns GPU command buffers off (each kernel then names its HLO '
+    'instruction), for --timed too.')
 _TIMED = flags.DEFINE_integer('timed', 0, 'Timed calls per program '
                               '(0: compile and read schedules only).')
+
+_NO_COMMAND_BUFFERS = re.compile(r'--xla_gpu_enable_command_buffer=(\s|$)')
+_NAME = flags.DEFINE_string('results_name', 'overlap_gpu', 'The results '
+                            'file: NAME.json and NAME.md in --workdir.')
 
 # Streaming DiLoCo, H = 8, P = 2, tau = 2; Eager updates, H = 8 (the
 # trainer scans runs of 4 or more equal steps: 7 inner steps, one scan).
@@ -201,6 +207,7 @@ def _time(programs, carry, batches, timed):
   import jax  # pylint: disable=g-import-not-at-top
   out = {}
   for name, (compiled, phases, kind) in programs.items():
+    print(f'timing {name}', flush=True)  # which one, should one hang
     state = carry[name.split('/')[0]]()
     xs = tuple(batches for _ in phases) if kind == 'window' else batches
     times = []
@@ -216,8 +223,9 @@ def _time(programs, carry, batches, timed):
   return out
 
 
-def _profile(programs, carries, batch, profile_dir) -> None:
-  """Two calls of each window program under ``jax.profiler``."""
+def _profile(programs, carries, batch, profile_dir) -> pathlib.Path:
+  """Two calls of each window program under ``jax.profiler``; returns the
+  Perfetto trace."""
   import jax  # pylint: disable=g-import-not-at-top
   with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
     for name, (compiled, phases, kind) in programs.items():
@@ -228,6 +236,46 @@ def _profile(programs, carries, batch, profile_dir) -> None:
         with jax.profiler.TraceAnnotation(name):
           state, loss = compiled(state, (batch,) * len(phases))
           jax.block_until_ready(loss)
+  return max(pathlib.Path(profile_dir).rglob('perfetto_trace.json.gz'),
+             key=lambda p: p.stat().st_mtime)
+
+
+def profile_rows(programs, texts, mesh, trace) -> list[dict]:
+  """Per asynchronous cross-worker collective of each profiled program (its
+  last call): the device time of the kernels scheduled while it is in
+  flight, and the link per worker at which the transfer takes that long."""
+  from loc_opt import parallel  # pylint: disable=g-import-not-at-top
+  from loc_opt.parallel import kernels  # pylint: disable=g-import-not-at-top
+  from loc_opt.parallel import schedule  # pylint: disable=g-import-not-at-top
+  trace = kernels.load_trace(trace)
+  found, rows = kernels.read_kernels(trace), []
+  m = mesh.shape[parallel.WORKER]
+  for name in programs:
+    calls = kernels.host_spans(trace, name)
+    if not calls:
+      continue
+    call = kernels.between(found, *calls[-1])
+    loose = kernels.unattributed(call, texts[name])
+    for span in schedule.collective_schedule(texts[name], mesh):
+      if not span.is_async:
+        continue
+      hidden = kernels.in_flight(span, call)
+      one_gbps = parallel.collective_seconds(
+          span.collective.kind, span.collective.bytes_per_device, m,
+          parallel.Link(1.0))  # seconds at 1 Gbit/s
+      rows.append({
+          'program': name, 'name': span.start.name,
+          'collective': span.collective.kind,
+          'bytes_per_device': span.collective.bytes_per_device,
+          'in_branch': span.collective.branch is not None,
+          'kernels_in_flight': hidden.kernels,
+          'in_flight_s': hidden.seconds,
+          'call_kernels': len(call),
+          'call_busy_s': sum(k.duration_us for k in call) * 1e-6,
+          'unattributed_kernels': len(loose),
+          'gbps_hidden': (one_gbps / hidden.seconds if hidden.seconds
+                          else None)})
+  return rows
 
 
 def _devices():
@@ -270,20 +318,26 @@ def _run_timed(model, mesh, txs, programs):
   tokens = np.random.default_rng(0).integers(
       0, 256, (m, _BATCH.value, _SEQ.value + 1), dtype=np.int32)
   batches = stacked(tokens[0])
-  timing = _time(programs, carries, batches, _TIMED.value)
-  if _PROFILE.value:
-    _profile(programs, carries, batches, _PROFILE.value)
-  return timing
+  timing = _time(programs, carries, batches, _TIMED.value) if _TIMED.value \
+      else {}
+  trace = (_profile(programs, carries, batches, _PROFILE.value)
+           if _PROFILE.value else None)
+  return timing, trace
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if _TARGET.value and _TIMED.value:
-    raise app.UsageError('--target_config compiles only: use --timed=0')
-  # Autotuning sharded over the (mocked) processes waits for them.
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_gpu_shard_autotuning=false')
+  if _TARGET.value and (_TIMED.value or _PROFILE.value):
+    raise app.UsageError('--target_config compiles only: use --timed=0 and '
+                         'no --profile_dir')
+  # Autotuning sharded over the (mocked) processes waits for them. In a
+  # command buffer (CUDA graph) a kernel names the buffer, not its HLO
+  # instruction: the profile needs them off.
+  flags_ = os.environ.get('XLA_FLAGS', '') + ' --xla_gpu_shard_autotuning=false'
+  if _PROFILE.value and not _NO_COMMAND_BUFFERS.search(flags_):
+    flags_ += ' --xla_gpu_enable_command_buffer='
+  os.environ['XLA_FLAGS'] = flags_
   import jax  # pylint: disable=g-import-not-at-top
   if _TARGET.value:  # compile-only devices: no client to mock
     pass
@@ -319,24 +373,31 @@ def main(argv):
     rows = schedule_rows(programs, texts, mesh)
   except Exception as e:  # noqa: BLE001 (the HLO is saved to read again)
     error = f'schedule: {type(e).__name__}: {e}'[:2000]
-  timing = {}
-  if _TIMED.value:
+  timing, profile, trace = {}, [], None
+  if _TIMED.value or _PROFILE.value:
     try:
-      timing = _run_timed(model, mesh, txs, programs)
+      timing, trace = _run_timed(model, mesh, txs, programs)
     except Exception as e:  # noqa: BLE001 (the schedules stand without it)
       error = f'{error or ""} timing: {type(e).__name__}: {e}'[:4000]
+  if trace:
+    try:
+      profile = profile_rows(programs, texts, mesh, trace)
+    except Exception as e:  # noqa: BLE001 (the trace is kept to read again)
+      error = f'{error or ""} profile: {type(e).__name__}: {e}'[:4000]
   info = {'devices': [str(d) for d in devices],
           'device_kind': devices[0].device_kind, 'platform':
           devices[0].platform, 'mock_topology': _MOCK.value,
           'mock_processes': _MOCK_PROCESSES.value,
           'target_config': _TARGET.value,
           'num_params': model.num_params, 'error': error}
-  results = {'schedule': rows, 'timing': timing, **info,
+  results = {'schedule': rows, 'timing': timing, 'profile': profile,
+             'command_buffers': not _NO_COMMAND_BUFFERS.search(
+                 os.environ.get('XLA_FLAGS', '')), **info,
              'sizes': {'num_layers': _LAYERS.value, 'd_model': _D_MODEL.value,
                        'seq_len': _SEQ.value, 'batch': _BATCH.value,
                        'dtype': _DTYPE.value}}
   from experiments import _sharding_tables  # pylint: disable=g-import-not-at-top
-  _runs.write(_WORKDIR.value, 'overlap_gpu', _sharding_tables.overlap_gpu_main(
+  _runs.write(_WORKDIR.value, _NAME.value, _sharding_tables.overlap_gpu_main(
       {'results': results}), results)
 
 

@@ -313,6 +313,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('sharded_sync_bytes', 'main'):
         _sharding_tables.sharded_sync_bytes_main,
     ('overlap_gpu', 'main'): _sharding_tables.overlap_gpu_main,
+    ('overlap_gpu_h100', 'main'): _sharding_tables.overlap_gpu_main,
     ('robust_aggregation', 'bytes'): _small_tables.robust_bytes,
     ('robust_aggregation', 'adversary'): _small_tables.robust_adversary,
     ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,

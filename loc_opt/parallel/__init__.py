@@ -17,6 +17,7 @@ from loc_opt.parallel.runners import shard_map_workers
 from loc_opt.parallel.runners import vmap_workers
 from loc_opt.parallel import goodput
 from loc_opt.parallel import ideal
+from loc_opt.parallel import kernels
 from loc_opt.parallel.hlo import Collective
 from loc_opt.parallel.hlo import collective_bytes
 from loc_opt.parallel.hlo import CollectiveReport

@@ -49,11 +49,19 @@ Step = Callable[[Any, Any, Hashable], tuple[Any, Any]]
 # finiteness flags that gate the mean, the data-parallel gradient sums)
 # with those of the later steps, so the sync's collective then waits for
 # the later steps' backward pass (``collective_dataflow`` shows it on
-# CPU). The window programs run without it: ``all-reduce-combiner`` on
-# GPU and TPU, ``cpu-all-reduce-combiner`` on CPU (an unknown pass name is
-# ignored).
+# CPU). The window programs run without it: ``all-reduce-combiner``
+# (XLA's generic pass), ``cpu-all-reduce-combiner`` on CPU (an unknown pass
+# name is ignored). GPU's own pass (``gpu-all-reduce-combiner``) stays: without it
+# a sync's mean is one all-reduce per leaf, and those run one at a time.
+# With it the mean comes in buckets of at most
+# ``xla_gpu_all_reduce_combine_threshold_bytes`` (30 MiB by default), and
+# the GPU scheduler's default of one collective in flight at a time made
+# the first bucket finish inside the sync step: two in flight let every
+# bucket of Eager's average run behind the round's inner steps
+# (``experiments/overlap_gpu.py``, docs/overlap.md).
 COMPILER_OPTIONS = {
-    'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner'}
+    'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner',
+    'xla_gpu_experimental_parallel_collective_overlap_limit': 2}
 
 
 def step_scope(first: int, last: int | None = None) -> str:
