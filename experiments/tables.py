@@ -104,12 +104,23 @@ def source_line(name: str, data: dict[str, Any]) -> str:
     made = f'runs trained at commit {", ".join(parts)}'
   else:
     made = f'computed at commit {commit(p)}'
+  benchmark = data.get('benchmark', name)
+  again = _REGENERATE.get(benchmark, '`python -m experiments.regenerate '
+                          f'--workdir=DIR --only={benchmark}`')
   text = (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
           f'written {p["time_utc"][:10]}; {made}; {_machines(data)}. '
-          f'Regenerate: `python -m experiments.regenerate --workdir=DIR '
-          f'--only={data.get("benchmark", name)}`.')
+          f'Regenerate: {again}.')
   return textwrap.fill(text, 79, break_on_hyphens=False,
                        break_long_words=False)
+
+
+# Results that experiments.regenerate does not make (they need JAX's CUDA
+# plugin or a GPU): how to make them again.
+_REGENERATE = {
+    'overlap_gpu': '`make overlap-gpu WORKDIR=DIR` (no GPU needed)',
+    'overlap_gpu_h100': '`bash experiments/reference/overlap_h100.sh` on a '
+                        'machine with one GPU',
+}
 
 
 def compare_dp_diloco_main(data: dict[str, Any]) -> str:
