@@ -50,17 +50,28 @@ Step = Callable[[Any, Any, Hashable], tuple[Any, Any]]
 # with those of the later steps, so the sync's collective then waits for
 # the later steps' backward pass (``collective_dataflow`` shows it on
 # CPU). The window programs run without it: ``all-reduce-combiner``
-# (XLA's generic pass), ``cpu-all-reduce-combiner`` on CPU (an unknown pass
-# name is ignored). GPU's own pass (``gpu-all-reduce-combiner``) stays: without it
-# a sync's mean is one all-reduce per leaf, and those run one at a time.
-# With it the mean comes in buckets of at most
-# ``xla_gpu_all_reduce_combine_threshold_bytes`` (30 MiB by default), and
-# the GPU scheduler's default of one collective in flight at a time made
-# the first bucket finish inside the sync step: two in flight let every
-# bucket of Eager's average run behind the round's inner steps
-# (``experiments/overlap_gpu.py``, docs/overlap.md).
+# (XLA's generic pass), ``cpu-all-reduce-combiner`` on CPU (an unknown
+# pass name is ignored).
+#
+# GPU's own combiner (``gpu-all-reduce-combiner``) stays: without it a
+# sync's mean is one all-reduce per leaf, run one at a time. With it the
+# mean comes in buckets of at most
+# ``xla_gpu_all_reduce_combine_threshold_bytes`` (30 MiB by default); the
+# GPU scheduler's default of one collective in flight made the first
+# bucket finish inside the sync step, and two in flight let every bucket of
+# Eager's average run behind the round's inner steps
+# (``experiments/overlap_gpu.py``). Its cost: with data-parallel devices
+# inside a worker it merges CO2's data-axis gradient sums across the
+# window's steps, and CO2's send then waits for them (docs/overlap.md).
+#
+# XLA's GPU multi-output fusion put a sync step's subtraction (the
+# pseudo-gradient) and a later step's update into one kernel, so the
+# sync's all-reduce waited for that step's backward pass (Streaming DiLoCo
+# on 4 workers x 2 data-parallel devices, compiled for H100s): the windows
+# run without it (``multi_output_fusion``).
 COMPILER_OPTIONS = {
-    'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner',
+    'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner,'
+                              'multi_output_fusion',
     'xla_gpu_experimental_parallel_collective_overlap_limit': 2}
 
 

@@ -158,3 +158,40 @@ def test_gpu_diloco_sync_has_no_later_step_to_hide_behind():
   assert spans and all(s.is_async for s in spans)
   assert all(not schedule.steps_in_flight(s, overlap.steps_of)
              for s in spans)
+
+
+# Windows on 4 workers x 2 data-parallel H100s (the 4 -> 3 model of
+# tests/outer/test_overlap.py, compiled without a GPU with
+# overlap.COMPILER_OPTIONS; the batch split over the data axis).
+def dp_flows(name):
+  text = gzip.decompress(
+      (GPU_HLO / f'dp_{name}.window.hlo.gz').read_bytes()).decode()
+  mesh8 = parallel.make_worker_mesh(4, data=2)
+  out = []
+  for flow in parallel.collective_dataflow(text, mesh8):
+    users = {k for n in flow.users_where(opcodes=('dot', 'convolution'))
+             for k in overlap.steps_of(n.op_name) or ()}
+    operands = {k for n in flow.operands_where(opcodes=('dot',
+                                                        'convolution'))
+                for k in overlap.steps_of(n.op_name) or ()}
+    out.append((flow.node.name, users, operands))
+  return out
+
+
+@pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3)])
+def test_gpu_data_parallel_windows_stay_independent(name, last):
+  # Before multi_output_fusion was off, the Streaming send was fused with
+  # step 1's update and read step 1's backward pass.
+  flows = dp_flows(name)
+  assert flows
+  for node, users, operands in flows:
+    assert not users & set(range(1, last)), (node, users)
+    assert operands == {0}, (node, operands)
+
+
+def test_gpu_data_parallel_co2_send_waits_for_the_round():
+  # The limitation docs/overlap.md states: XLA's GPU all-reduce combiner
+  # (left on) merges the data-axis gradient sums of the window's steps, and
+  # CO2's send reads the merged one.
+  (node, users, operands), = dp_flows('co2')
+  assert operands >= {1, 2}, (node, operands)
