@@ -162,7 +162,8 @@ def test_gpu_diloco_sync_has_no_later_step_to_hide_behind():
 
 # Windows on 4 workers x 2 data-parallel H100s (the 4 -> 3 model of
 # tests/outer/test_overlap.py, compiled without a GPU with
-# overlap.COMPILER_OPTIONS; the batch split over the data axis).
+# overlap.compiler_options: gpu_hlo/make_dp_windows.py; the batch split
+# over the data axis).
 def dp_flows(name):
   text = gzip.decompress(
       (GPU_HLO / f'dp_{name}.window.hlo.gz').read_bytes()).decode()
@@ -178,10 +179,12 @@ def dp_flows(name):
   return out
 
 
-@pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3)])
+@pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3),
+                                       ('co2', 3)])
 def test_gpu_data_parallel_windows_stay_independent(name, last):
-  # Before multi_output_fusion was off, the Streaming send was fused with
-  # step 1's update and read step 1's backward pass.
+  # Without multi_output_fusion off, the Streaming send was fused with step
+  # 1's update (and read its backward pass); with GPU's all-reduce combiner
+  # on, CO2's send read a data-axis sum merged with steps 1 and 2's.
   flows = dp_flows(name)
   assert flows
   for node, users, operands in flows:
@@ -189,9 +192,9 @@ def test_gpu_data_parallel_windows_stay_independent(name, last):
     assert operands == {0}, (node, operands)
 
 
-def test_gpu_data_parallel_co2_send_waits_for_the_round():
-  # The limitation docs/overlap.md states: XLA's GPU all-reduce combiner
-  # (left on) merges the data-axis gradient sums of the window's steps, and
-  # CO2's send reads the merged one.
-  (node, users, operands), = dp_flows('co2')
-  assert operands >= {1, 2}, (node, operands)
+def test_window_compiler_options():
+  co2 = overlap.compiler_options('co2')['xla_disable_hlo_passes']
+  plain = overlap.compiler_options('eager_diloco')['xla_disable_hlo_passes']
+  assert 'gpu-all-reduce-combiner' in co2.split(',')
+  assert 'gpu-all-reduce-combiner' not in plain.split(',')
+  assert overlap.compiler_options() == overlap.COMPILER_OPTIONS
