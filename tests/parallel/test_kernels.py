@@ -25,7 +25,8 @@ def event(name, hlo_op, ts, dur, pid=1, module='jit_w'):
 TRACE = {'traceEvents': [
     {'ph': 'M', 'pid': 1, 'name': 'process_name',
      'args': {'name': '/device:GPU:0'}},
-    {'ph': 'M', 'pid': 9, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+    {'ph': 'M', 'pid': 9, 'name': 'process_name',
+     'args': {'name': '/host:CPU'}},
     {'ph': 'X', 'pid': 9, 'tid': 1, 'ts': 5.0, 'dur': 100.0, 'name': 'w'},
     event('fusion_f', 'f', 40.0, 8.0),  # out of start order
     event('sm90_gemm', 'gemm', 30.0, 6.0),

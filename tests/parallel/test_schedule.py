@@ -136,6 +136,13 @@ def test_gpu_streaming_window_sends_behind_the_later_steps():
   assert span.is_async and span.collective.cross_worker
   steps = schedule.steps_in_flight(span, overlap.steps_of)
   assert steps and 0 not in steps and steps <= {1, 2}, steps
+  # What it sends is the send step's alone (no fusion ties it to step 1).
+  text = gzip.decompress(
+      (GPU_HLO / 'streaming_diloco.window.hlo.gz').read_bytes()).decode()
+  mesh4 = parallel.make_worker_mesh(4, devices=jax.devices()[:4])
+  for flow in parallel.collective_dataflow(text, mesh4):
+    assert {k for n in flow.operands_where(opcodes=('dot', 'convolution'))
+            for k in overlap.steps_of(n.op_name) or ()} == {0}
 
 
 def test_gpu_eager_round_runs_behind_the_average():
