@@ -63,8 +63,10 @@ class InFlight:
 
   Attributes:
     kernels: how many there were.
-    seconds: their device time, summed (kernels of one stream do not
-      overlap one another, so this is the time they kept the device busy).
+    seconds: their device time, summed. Kernels of one stream run one
+      after another, so on one stream this is the time they kept the device
+      busy; kernels of other streams (a collective's, say) may overlap
+      them, and a sum over several streams can exceed the wall time.
   """
 
   kernels: int
