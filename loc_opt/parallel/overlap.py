@@ -60,11 +60,13 @@ Step = Callable[[Any, Any, Hashable], tuple[Any, Any]]
 # GPU scheduler's default of one collective in flight made the first
 # bucket finish inside the sync step, and two in flight let every bucket of
 # Eager's average run behind the round's inner steps
-# (``experiments/overlap_gpu.py``). With data-parallel devices inside a
-# worker it merged CO2's data-axis gradient sums across the window's steps
-# (XLA had computed the one the send reads apart from the update's), and
-# CO2's send then waited for the round: CO2's windows run without it
-# (:func:`compiler_options`).
+# (``experiments/overlap_gpu.py``). Its cost: with data-parallel devices
+# inside a worker it merged CO2's data-axis gradient sums across the
+# window's steps (XLA had computed the one the send reads apart from the
+# update's), and CO2's send then waited for the round. Off for CO2, it left
+# the send one all-reduce per leaf, of which those holding the bulk of the
+# bytes finished before step 1 on workers of one GPU: it stays on
+# (docs/overlap.md).
 #
 # XLA's GPU multi-output fusion put a sync step's subtraction (the
 # pseudo-gradient) and a later step's update into one kernel, so the
@@ -75,19 +77,6 @@ COMPILER_OPTIONS = {
     'xla_disable_hlo_passes': 'all-reduce-combiner,cpu-all-reduce-combiner,'
                               'multi_output_fusion',
     'xla_gpu_experimental_parallel_collective_overlap_limit': 2}
-
-# Methods whose windows also run without GPU's all-reduce combiner.
-_WITHOUT_GPU_COMBINER = frozenset({'co2'})
-
-
-def compiler_options(method: str | None = None) -> dict[str, Any]:
-  """The options to compile a window of ``method`` with (the trainer's
-  ``outer.method``): :data:`COMPILER_OPTIONS`, and for CO2 also without
-  GPU's all-reduce combiner (see the comment above it)."""
-  options = dict(COMPILER_OPTIONS)
-  if method in _WITHOUT_GPU_COMBINER:
-    options['xla_disable_hlo_passes'] += ',gpu-all-reduce-combiner'
-  return options
 
 
 def step_scope(first: int, last: int | None = None) -> str:

@@ -328,7 +328,7 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
                    out_shardings=(shardings, loss_sharding),
                    donate_argnums=0)
     return _compile(step, method, mesh, abstract_state, (abstract_batch,) * k,
-                    parallel.overlap.compiler_options(config.outer.method))
+                    parallel.overlap.COMPILER_OPTIONS)
 
   steps = StepPrograms(compile_phase, phases)
   # The run's programs are compiled now (so throughput excludes compiling),

@@ -169,7 +169,7 @@ def test_gpu_diloco_sync_has_no_later_step_to_hide_behind():
 
 # Windows on 4 workers x 2 data-parallel H100s (the 4 -> 3 model of
 # tests/outer/test_overlap.py, compiled without a GPU with
-# overlap.compiler_options: gpu_hlo/make_dp_windows.py; the batch split
+# overlap.COMPILER_OPTIONS: gpu_hlo/make_dp_windows.py; the batch split
 # over the data axis).
 def dp_flows(name):
   text = gzip.decompress(
@@ -186,12 +186,10 @@ def dp_flows(name):
   return out
 
 
-@pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3),
-                                       ('co2', 3)])
+@pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3)])
 def test_gpu_data_parallel_windows_stay_independent(name, last):
   # Without multi_output_fusion off, the Streaming send was fused with step
-  # 1's update (and read its backward pass); with GPU's all-reduce combiner
-  # on, CO2's send read a data-axis sum merged with steps 1 and 2's.
+  # 1's update and read its backward pass.
   flows = dp_flows(name)
   assert flows
   for node, users, operands in flows:
@@ -199,9 +197,9 @@ def test_gpu_data_parallel_windows_stay_independent(name, last):
     assert operands == {0}, (node, operands)
 
 
-def test_window_compiler_options():
-  co2 = overlap.compiler_options('co2')['xla_disable_hlo_passes']
-  plain = overlap.compiler_options('eager_diloco')['xla_disable_hlo_passes']
-  assert 'gpu-all-reduce-combiner' in co2.split(',')
-  assert 'gpu-all-reduce-combiner' not in plain.split(',')
-  assert overlap.compiler_options() == overlap.COMPILER_OPTIONS
+def test_gpu_data_parallel_co2_send_waits_for_the_round():
+  # The limitation docs/overlap.md states: XLA's GPU all-reduce combiner
+  # (left on, see overlap.COMPILER_OPTIONS) merges the data-axis gradient
+  # sum CO2 sends with those of steps 1 and 2.
+  (node, _, operands), = dp_flows('co2')
+  assert operands >= {1, 2}, (node, operands)

@@ -1,6 +1,6 @@
 """Writes dp_{streaming,eager,co2}.window.hlo.gz here: the windows of
 tests/outer/test_overlap.py (the 4 -> 3 model) on 4 workers x 2
-data-parallel H100s, compiled without a GPU with overlap.compiler_options.
+data-parallel H100s, compiled without a GPU with overlap.COMPILER_OPTIONS.
 
 Needs JAX's CUDA plugin (the venv of `make overlap-gpu`):
 
@@ -57,7 +57,7 @@ def main():
     compiled = fn.lower(
         (spec(params, 'worker'), spec(state, 'worker')),
         spec(batches, 'worker', 'data')).compile(
-            compiler_options=overlap.compiler_options(name))
+            compiler_options=overlap.COMPILER_OPTIONS)
     path = HERE / f'dp_{name}.window.hlo.gz'
     path.write_bytes(gzip.compress(compiled.as_text().encode()))
     print('wrote', path)
