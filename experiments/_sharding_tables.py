@@ -134,8 +134,11 @@ def overlap_gpu_main(data: dict[str, Any]) -> str:
   buffers = ('' if r.get('command_buffers', True) else
              ', GPU command buffers off')
   if r.get('timing'):
-    lines += ['', f'| program | steps | median s per step (mocked '
-              f'collectives{buffers}) |', '|---|---|---|']
+    mocked = r.get('mock_processes') or r.get('mock_topology')
+    what = ('mocked collectives' if mocked else 'real collectives'
+            if len(r['devices']) > 1 else 'one worker, no collective')
+    lines += ['', f'| program | steps | median s per step ({what}'
+              f'{buffers}) |', '|---|---|---|']
     for name, t in r['timing'].items():
       lines.append(f"| {name} | {t['steps']} | {t['per_step_s']:.5f} |")
   if r.get('profile'):

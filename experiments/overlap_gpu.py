@@ -17,7 +17,13 @@ one worker each, with mocked NCCL. Only compiling is needed for the
 schedules; ``--timed=N`` also runs each program N times on the real GPU
 (the other workers and the collectives are mocked: no byte crosses a wire,
 so those times are the compute's, not an overlap measurement, which needs
-two or more real accelerators).
+two or more real accelerators). On a machine with several GPUs,
+``--mock_processes=0`` compiles for them, one worker each, and ``--timed``
+runs the programs with real collectives: a window's time per step against
+its steps' one program each is then the overlap measured (NCCL's
+``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` send the transfers through the
+network stack, a slower link than NVLink). That path has not run: the
+machines lent so far had one GPU.
 
   python -m experiments.overlap_gpu --workdir=/tmp/overlap_gpu \
       --mock_processes=4 --timed=0 --hlo_dir=/tmp/overlap_gpu/hlo
@@ -203,7 +209,7 @@ def schedule_rows(programs, texts, mesh) -> list[dict]:
 
 
 def _time(programs, carry, batches, timed):
-  """Median seconds per call of each program (mocked collectives)."""
+  """Median seconds per call of each program (after two untimed calls)."""
   import jax  # pylint: disable=g-import-not-at-top
   out = {}
   for name, (compiled, phases, kind) in programs.items():
