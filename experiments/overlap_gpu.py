@@ -242,8 +242,11 @@ def _profile(programs, carries, batch, profile_dir) -> pathlib.Path:
         with jax.profiler.TraceAnnotation(name):
           state, loss = compiled(state, (batch,) * len(phases))
           jax.block_until_ready(loss)
-  return max(pathlib.Path(profile_dir).rglob('perfetto_trace.json.gz'),
-             key=lambda p: p.stat().st_mtime)
+  traces = list(pathlib.Path(profile_dir).rglob('perfetto_trace.json.gz'))
+  if not traces:
+    raise FileNotFoundError(f'the profiler wrote no perfetto_trace.json.gz '
+                            f'under {profile_dir}')
+  return max(traces, key=lambda p: p.stat().st_mtime)
 
 
 def profile_rows(programs, texts, mesh, trace) -> list[dict]:
