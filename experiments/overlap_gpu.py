@@ -74,9 +74,10 @@ _PROFILE = flags.DEFINE_string(
 _TIMED = flags.DEFINE_integer('timed', 0, 'Timed calls per program '
                               '(0: compile and read schedules only).')
 
-_NO_COMMAND_BUFFERS = re.compile(r'--xla_gpu_enable_command_buffer=(\s|$)')
 _NAME = flags.DEFINE_string('results_name', 'overlap_gpu', 'The results '
                             'file: NAME.json and NAME.md in --workdir.')
+
+_NO_COMMAND_BUFFERS = re.compile(r'--xla_gpu_enable_command_buffer=(\s|$)')
 
 # Streaming DiLoCo, H = 8, P = 2, tau = 2; Eager updates, H = 8 (the
 # trainer scans runs of 4 or more equal steps: 7 inner steps, one scan).

@@ -60,10 +60,11 @@ def compiled_window(name, tau, phases):
 MATMULS = ('dot', 'convolution')
 
 
-def user_steps(program):
+def user_steps(program, mesh=None):
   """Per cross-worker collective: the window steps of the matmuls that
-  read its result, and of those that feed it."""
-  flows = parallel.collective_dataflow(program, helpers.worker_mesh())
+  read its result, and of those that feed it (``mesh``: the program's, the
+  4 x 2 worker mesh by default)."""
+  flows = parallel.collective_dataflow(program, mesh or helpers.worker_mesh())
   assert flows, 'the program has no cross-worker collective'
   out = []
   for flow in flows:

@@ -10,6 +10,7 @@ import pytest
 from loc_opt import parallel
 from loc_opt.parallel import overlap
 from loc_opt.parallel import schedule
+from tests.outer import test_overlap
 
 # A scheduled module as a GPU compiler prints it, on 4 workers x 2 devices
 # (device d is worker d // 2): a cross-worker all-reduce started before a
@@ -140,9 +141,8 @@ def test_gpu_streaming_window_sends_behind_the_later_steps():
   text = gzip.decompress(
       (GPU_HLO / 'streaming_diloco.window.hlo.gz').read_bytes()).decode()
   mesh4 = parallel.make_worker_mesh(4, devices=jax.devices()[:4])
-  for flow in parallel.collective_dataflow(text, mesh4):
-    assert {k for n in flow.operands_where(opcodes=('dot', 'convolution'))
-            for k in overlap.steps_of(n.op_name) or ()} == {0}
+  for _, _, operands in test_overlap.user_steps(text, mesh4):
+    assert operands == {0}
 
 
 def test_gpu_eager_round_runs_behind_the_average():
@@ -174,16 +174,8 @@ def test_gpu_diloco_sync_has_no_later_step_to_hide_behind():
 def dp_flows(name):
   text = gzip.decompress(
       (GPU_HLO / f'dp_{name}.window.hlo.gz').read_bytes()).decode()
-  mesh8 = parallel.make_worker_mesh(4, data=2)
-  out = []
-  for flow in parallel.collective_dataflow(text, mesh8):
-    users = {k for n in flow.users_where(opcodes=('dot', 'convolution'))
-             for k in overlap.steps_of(n.op_name) or ()}
-    operands = {k for n in flow.operands_where(opcodes=('dot',
-                                                        'convolution'))
-                for k in overlap.steps_of(n.op_name) or ()}
-    out.append((flow.node.name, users, operands))
-  return out
+  return [(flow.node.name, users, operands)
+          for flow, users, operands in test_overlap.user_steps(text)]
 
 
 @pytest.mark.parametrize('name,last', [('streaming', 2), ('eager', 3)])
