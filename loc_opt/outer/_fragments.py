@@ -171,8 +171,14 @@ def balanced_fragments(params: Any, num_fragments: int) -> Any:
 
   Greedy: leaves from largest to smallest (ties in tree-flatten order),
   each into the fragment holding the fewest elements so far (ties: the
-  lowest index). Its peak is at most 4/3 of the even split ``N / P`` when
-  no leaf is larger than that (Graham's bound for largest-first).
+  lowest index). Its peak (the largest fragment) is at most
+  ``(4/3 - 1/(3P))`` times the best possible peak (Graham's bound for
+  largest-first), and at most ``N / P + (1 - 1/P) s_max`` for ``N``
+  elements in all and a largest leaf of ``s_max``: the last leaf placed on
+  the peak went to the lightest fragment, which held at most the even
+  share of the rest. Against the even split ``N / P`` there is no 4/3
+  bound: four leaves of 2 into 3 fragments give ``[4, 2, 2]``, 1.5 times
+  ``N / P`` (and optimal).
 
   Args:
     params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).

@@ -21,13 +21,17 @@ Rules (:func:`decoupled_timeline`):
 * **Failures** (a given trace, or a chaos model: per-learner exponential
   clocks with mean ``mtbf`` ticks, each failure lasting ``downtime`` ticks)
   stop a learner; the step in progress is lost. When it comes back it
-  *rejoins* (takes the global fragments; see ``rejoin_state``).
+  *rejoins* (takes the global fragments; see ``rejoin_state``) on the tick
+  holding the end of its failure, unless a failure starting later in that
+  tick takes it down again (then it rejoins when that one ends); failures
+  that overlap end at the later end.
 * **Fragments come due** on Streaming DiLoCo's schedule: fragment ``p``'s
   window opens at the start of tick ``k`` with ``k + 1 = p S + j H``
   (``S = H / P``). A live learner *reports* for it at its first step
   finished in the window with ``c_steps[m, p] > 0`` (the syncer pulls
   fragments a learner pushes after each step).
-* **Quorum and grace.** Once ``quorum`` (``K``) learners reported, at time
+* **Quorum and grace.** Once ``quorum`` (``K``) learners reported (or
+  every live learner, when fewer than ``K`` are alive), at time
   ``q``, the syncer waits a grace window ``g = clip(gamma * slack, 0,
   grace_cap)``, ``slack = tau * xi_step - (q - open) - sync_steps``, where
   ``xi_step`` is the slowest live learner's step time (an EMA of its
@@ -49,6 +53,7 @@ from collections.abc import Sequence
 import dataclasses
 import math
 from typing import Any
+import warnings
 
 import numpy as np
 
@@ -280,8 +285,15 @@ class _Learners:
       if self.alive[i] and not rejoin[i]:
         self.alive[i] = False
         self.down_until[i] = start + dur
-      elif not self.alive[i]:  # overlapping failures: the later end wins
+      elif rejoin[i] and start >= self.down_until[i]:
+        # back at down_until and down again later in this tick: the learner
+        # never runs; it rejoins when this failure ends
+        self.alive[i], rejoin[i] = False, False
+        self.down_until[i] = start + dur
+      else:  # overlapping failures: the later end wins
         self.down_until[i] = max(self.down_until[i], start + dur)
+        if rejoin[i] and self.down_until[i] > k + 1:
+          self.alive[i], rejoin[i] = False, False
     for i in range(m):
       if self.alive[i] and not rejoin[i] and self.done[i] <= k + 1:
         active[i], finish[i] = True, self.done[i]
@@ -302,11 +314,15 @@ def _report(r: dict[str, Any], p: int, active: np.ndarray,
             overlap: float, grace: float, grace_cap: float,
             sync_steps: float) -> None:
   """Round ``r`` of fragment ``p`` takes this tick's reports; once it has
-  ``quorum`` of them, its deadline is set (quorum time plus the grace
+  ``quorum`` of them (or one from every live learner, when fewer than
+  ``quorum`` are alive), its deadline is set (quorum time plus the grace
   window)."""
   for i in np.flatnonzero(active):
     if i not in r['reported'] and learners.c_steps[i, p] > 0:
       r['reported'][int(i)] = float(finish[i])
+  # K learners, or every live learner when fewer are alive (a dead learner
+  # is never waited for)
+  quorum = max(1, min(quorum, int(learners.alive.sum())))
   if r['deadline'] is None and len(r['reported']) >= quorum:
     q = sorted(r['reported'].values())[quorum - 1]
     slack = overlap * learners.slowest() - (q - r['opened']) - sync_steps
@@ -343,8 +359,11 @@ def decoupled_timeline(
     overlap: ``tau``, the inner steps a sync may overlap (the slack of the
       grace window); default 2, the description's main setting.
     quorum: ``K``, learners that must report before a merge (1: the
-      default described; ``M``: wait for everyone alive... or until the
-      round is skipped).
+      default described), or every live learner when fewer than ``K`` are
+      alive: a dead learner is never waited for, so ``K = M`` means every
+      live learner. A fragment whose rounds are all skipped (a live learner
+      that never reports in time) draws a ``RuntimeWarning``: its global
+      copy would never move.
     grace: ``gamma`` in ``[0, 1]``, the fraction of the slack the syncer
       waits after quorum (0: no grace window; 0.2, the value a
       re-implementation uses, by default).
@@ -420,5 +439,25 @@ def decoupled_timeline(
       out['receive'][k, :, p] = learners.alive
       learners.c_steps[learners.alive, p] = 0
     arrivals = [a for a in arrivals if a[0] > k]
+  _warn_if_stalled(rounds, out['alive'], num_steps, sync_every, stride,
+                   p_count)
   return Timeline(rounds=tuple(rounds), skipped=skipped, failures=failures,
                   **out)
+
+
+def _warn_if_stalled(rounds, alive, num_steps, sync_every, stride, p_count):
+  """Warns when a fragment's global copy never moves although its windows
+  opened (at least twice) and a learner was alive: its rounds were all
+  skipped (e.g. a learner too slow to report within ``H``)."""
+  if not alive.any():
+    return
+  merged = {r.fragment for r in rounds}
+  # windows of fragment p open at the start of ticks k, k + 1 = p S + j H
+  stalled = [p for p in range(p_count) if p not in merged and len(range(
+      (p * stride - 1) % sync_every, num_steps, sync_every)) >= 2]
+  if stalled:
+    warnings.warn(
+        f'decoupled_timeline: fragments {stalled} are never merged in '
+        f'{num_steps} ticks (every round skipped): their global copies never '
+        'move. Lower quorum, or check the learners\' speeds against '
+        'sync_every.', RuntimeWarning, stacklevel=3)

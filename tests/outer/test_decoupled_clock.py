@@ -74,11 +74,61 @@ def test_a_failed_learner_is_out_and_rejoins():
   np.testing.assert_array_equal(t.receive[3, :, 1], [True, False, True])
   # fragment 0 (window at tick 3): learner 1 is down and never reports
   assert 1 not in t.rounds[1].reported
-  # with quorum 3 no round can merge while learner 1 is down: a round
-  # still open when its fragment's next window opens is skipped
+  # quorum 3 = M waits for every *live* learner: while learner 1 is down
+  # the rounds merge learners 0 and 2 (learner 1's report at 2.0 was in
+  # before it failed); nothing is skipped
   strict = _timeline(steps=12, failures=[(1, 2.5, 6.)], quorum=3)
-  assert strict.skipped >= 1
-  assert all(len(r.admitted) == 3 for r in strict.rounds)
+  assert strict.skipped == 0
+  assert [r.admitted for r in strict.rounds] == [
+      (0, 1), (0, 2), (0, 2), (0, 2), (0, 1, 2)]
+
+
+def test_a_failure_starting_on_the_rejoin_tick_is_not_dropped():
+  # Learner 0 is back at 4.5 and fails again at 4.6: it must stay down
+  # until 7.6 (ticks 4-6) as with the second failure alone, and rejoin on
+  # tick 7.
+  kw = dict(num_learners=2, sync_every=4, num_fragments=2)
+  both = outer.decoupled_timeline(12, failures=[(0, 2., 2.5), (0, 4.6, 3.)],
+                                  **kw)
+  alone = outer.decoupled_timeline(12, failures=[(0, 4.6, 3.)], **kw)
+  np.testing.assert_array_equal(both.alive[:, 0],
+                                [1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+  np.testing.assert_array_equal(both.alive[4:, 0], alone.alive[4:, 0])
+  np.testing.assert_array_equal(np.flatnonzero(both.rejoin[:, 0]), [7])
+  np.testing.assert_array_equal(both.active[4:7, 0], [0, 0, 0])
+
+
+def test_every_chaos_failure_takes_its_learner_down():
+  # Seed 0 holds a failure that starts on the tick its learner rejoins
+  # (learner 3 at 7644.3); every failure's own tick must be down.
+  trace = outer.chaos_failures(4, 20000, mtbf=150., downtime=30., seed=0)
+  back = {(m, int(np.ceil(s + d)) - 1) for m, s, d in trace}  # rejoin tick
+  assert any((m, int(s)) in back for m, s, _ in trace)  # the case is there
+  t = outer.decoupled_timeline(20000, num_learners=4, sync_every=8,
+                               num_fragments=2, failures=trace)
+  hit = [t.alive[int(s), m] for m, s, _ in trace]
+  assert not any(hit), [f for f, h in zip(trace, hit) if h]
+  # down for the whole failure: every tick that ends inside it
+  for m, s, d in trace:
+    assert not t.alive[int(s):int(np.ceil(s + d)) - 1, m].any()
+
+
+def test_full_quorum_never_waits_for_a_dead_learner():
+  # Learner 1 down for good: K = M = 3 merges the two live learners.
+  t = outer.decoupled_timeline(120, num_learners=3, sync_every=6,
+                               num_fragments=2, quorum=3,
+                               failures=[(1, .5, 1000.)])
+  assert t.summary()['merges'] >= 35 and t.skipped == 0
+  assert all(r.admitted == (0, 2) for r in t.rounds)
+
+
+def test_a_global_model_that_cannot_move_warns():
+  # learner 2 takes 50 ticks per step: with K = 3 no round of 40 ticks
+  # ever gets its report
+  with pytest.warns(RuntimeWarning,
+                    match=r'fragments \[0, 1\] are never merged'):
+    t = _timeline(steps=40, quorum=3, speeds=(1., 1., .02))
+  assert t.summary()['merges'] == 0 and t.skipped > 0
 
 
 def test_peer_rejoin_names_a_live_source():

@@ -25,9 +25,24 @@ def test_balanced_fragments_bin_pack_whole_tensors():
   assert ids == {'x0': 0, 'x1': 1, 'x2': 1, 'x3': 0, 'x4': 1}
   loads = [sum(np.prod(params[k].shape) for k, v in ids.items() if v == p)
            for p in range(2)]
-  assert max(loads) <= 4 / 3 * sum(loads) / 2
+  n, p_count, largest = sum(loads), 2, 100
+  assert max(loads) <= n / p_count + (1 - 1 / p_count) * largest
   with pytest.raises(ValueError, match='more than the 5 parameter leaves'):
     outer.balanced_fragments(params, 6)
+
+
+def test_balanced_fragments_peak_is_bounded_against_the_optimum():
+  # Four leaves of 2 into 3 fragments: [4, 2, 2], 1.5 x the even split
+  # N / P = 8 / 3 (so no 4/3 bound against N / P), equal to the optimum 4,
+  # within Graham's (4/3 - 1/(3P)) x optimum and N / P + (1 - 1/P) s_max.
+  params = {f'x{i}': jnp.zeros(2) for i in range(4)}
+  ids = outer.balanced_fragments(params, 3)
+  loads = sorted((sum(2 for v in ids.values() if v == p) for p in range(3)),
+                 reverse=True)
+  assert loads == [4, 2, 2]
+  assert max(loads) == 1.5 * 8 / 3
+  assert max(loads) <= (4 / 3 - 1 / 9) * 4
+  assert max(loads) <= 8 / 3 + (1 - 1 / 3) * 2
 
 
 def test_token_weight_is_tokens_squared_over_steps():
