@@ -66,6 +66,22 @@ def leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def assert_leaves_close(a, b, rtol=1e-5, atol=1e-6):
+  """``a``'s and ``b``'s leaves equal to float32 rounding: for two runs that
+  compute the same in two different XLA programs (another layout, mesh or
+  code path), whose reductions may sum in another order on another CPU.
+  Integer and boolean leaves (counts, steps, masks) must be equal."""
+  a, b = leaves(a), leaves(b)
+  assert len(a) == len(b), (len(a), len(b))
+  for x, y in zip(a, b, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape)
+    if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+      np.testing.assert_allclose(y.astype(np.float32), x.astype(np.float32),
+                                 rtol=rtol, atol=atol)
+    else:
+      np.testing.assert_array_equal(y, x)
+
+
 # A NaN gradient on worker 1 at steps 0 and 1 (skipped on that worker where
 # it is an inner step): the shared fields must stay level regardless.
 NAN_ON_WORKER_1 = {'faults.nan_grad_steps': (0, 1),
@@ -82,6 +98,8 @@ def assert_shared_fields_level(method, state):
   values = jax.tree.leaves(opt_state)
   shared = [np.asarray(x) for x, s in zip(values, mask, strict=True) if s]
   assert shared, method
+  # The same operations on every worker, of one program, on level inputs
+  # (exact by design: a shared field is stored once): bit-identical.
   for x in shared:
     for m in range(1, x.shape[0]):
       np.testing.assert_array_equal(x[m], x[0])

@@ -126,6 +126,8 @@ def test_checkpoint_stores_the_anchor_once_and_resumes_bit_exactly(
   train.train_and_evaluate(config, tmp_path / 'resumed')
   config.halt_after_steps = 0
   resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
+  # The same compiled steps replayed on the restored state, and a restore
+  # that copies what was saved: bit for bit.
   for a, b in zip(leaves(full['state']), leaves(resumed['state']),
                   strict=True):
     np.testing.assert_array_equal(a, b)

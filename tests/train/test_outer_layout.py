@@ -15,6 +15,7 @@ from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import layout as layout_lib
+from tests.train._helpers import assert_leaves_close
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
 
@@ -54,15 +55,27 @@ def _resume_from_step_4(config, workdir, tmp_path):
 
 
 @pytest.mark.slow
-def test_offloaded_run_is_the_replicated_run_bit_for_bit(runs):
-  # The same programs but for where the outer state rests: bit-equal.
+def test_offloaded_run_is_the_replicated_run(runs, data_dir):
+  # The same arithmetic, but two XLA programs (the outer state's host
+  # transfers; fusion and layouts may differ): equal to float32 rounding,
+  # bit for bit on some CPUs only.
   (rep, rep_dir), (off, off_dir) = runs['replicated'], runs['offloaded']
   assert rep['syncs'] == off['syncs'] == 2
-  for a, b in zip(leaves(rep['state']), leaves(off['state']), strict=True):
-    np.testing.assert_array_equal(a, b)
-  assert off['final_eval_loss'] == rep['final_eval_loss']
-  assert _losses(off_dir) == _losses(rep_dir)
+  assert_leaves_close(rep['state'], off['state'])
+  np.testing.assert_allclose(off['final_eval_loss'], rep['final_eval_loss'],
+                             rtol=1e-5)
+  off_losses, rep_losses = _losses(off_dir), _losses(rep_dir)
+  assert [s for s, _ in off_losses] == [s for s, _ in rep_losses]
+  np.testing.assert_allclose([x for _, x in off_losses],
+                             [x for _, x in rep_losses], rtol=1e-5)
   assert off['cross_worker_bytes'] == rep['cross_worker_bytes']
+  # The outer steps moved the anchor far more than the tolerance: a stale
+  # or skipped outer step would fail the check.
+  init = leaves(exp_lib.get_experiment(
+      _config(data_dir, 'replicated')).init_state()['opt_state'].anchor)
+  moved = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      init, leaves(off['state']['opt_state'].anchor), strict=True))
+  assert moved > 1e-3, moved
 
 
 @pytest.mark.slow
@@ -123,6 +136,8 @@ def test_sharded_checkpoint_resumes_bit_exactly(runs, data_dir, tmp_path):
   assert info['shared_fields'] == ['count', 'steps_since_sync', 'num_syncs']
   resumed = _resume_from_step_4(config, workdir, tmp_path)
   assert resumed['finished']
+  # The resume replays the same compiled steps on the restored state: the
+  # same operations in the same order, bit for bit.
   for a, b in zip(leaves(sha['state']), leaves(resumed['state']),
                   strict=True):
     np.testing.assert_array_equal(a, b)
@@ -155,9 +170,9 @@ def test_replicated_checkpoint_resumes_offloaded(runs, data_dir, tmp_path):
   rep, workdir = runs['replicated']
   resumed = _resume_from_step_4(_config(data_dir, 'offloaded'), workdir,
                                 tmp_path)
-  for a, b in zip(leaves(rep['state']), leaves(resumed['state']),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
+  # Steps 5 to 8 ran in the offloaded layout's programs, not the replicated
+  # run's: equal to float32 rounding.
+  assert_leaves_close(rep['state'], resumed['state'])
   anchor = jax.tree.leaves(resumed['state']['opt_state'].anchor)
   assert {x.sharding.memory_kind for x in anchor} == {'pinned_host'}
 
