@@ -34,6 +34,7 @@ from loc_opt.outer import demo_eval_params
 from loc_opt.outer import desloc
 from loc_opt.outer import desloc_eval_params
 from loc_opt.outer import diloco
+from loc_opt.outer import diloco_apply_updates
 from loc_opt.outer import diloco_eval_params
 from loc_opt.outer import DilocoState
 from loc_opt.outer import eager_diloco

@@ -70,6 +70,7 @@ from loc_opt.outer.desloc import DeslocState
 from loc_opt.outer.desloc import local_adam
 from loc_opt.outer.desloc import mt_dao
 from loc_opt.outer.diloco import diloco
+from loc_opt.outer.diloco import diloco_apply_updates
 from loc_opt.outer.diloco import diloco_eval_params
 from loc_opt.outer.diloco import DilocoState
 from loc_opt.outer.diloco import local_sgd

@@ -122,18 +122,28 @@ def diloco(
   Workers that miss a sync: ``update(..., present=False)`` on a sync step
   leaves this worker out of the mean, which is then over the present
   workers (the count travels with the values: 4 bytes more per worker);
-  the absent worker still lands on the new anchor, so it rejoins from
-  there, and its codec state stays as it was. A worker whose
+  the absent worker's update is ``phi_new - theta`` like every worker's,
+  and its codec state stays as it was. A worker whose
   pseudo-gradient is not finite is left out the same way, present or not:
   without ``present`` the plain mean is taken and, only when it comes out
   non-finite, recomputed over the finite workers (a conditional second
   round, free when every worker is finite). ``left_out`` in the state
   counts the syncs each worker missed.
 
+  Rejoining: ``optax.apply_updates`` computes ``theta + (phi_new - theta)``,
+  which is the new anchor within one rounding for ordinary workers, only
+  approximately for a worker with huge (finite) parameters, and NaN for a
+  worker whose parameters went NaN: such a worker is left out of every
+  sync but never comes back. :func:`diloco_apply_updates` applies the
+  update and, on a sync step, sets every worker's parameters to the new
+  anchor exactly (a select, not a difference), so a left-out worker
+  rejoins from there.
+
   Robust aggregation: ``aggregate`` replaces the mean by a rule that one
   bad worker cannot wreck (see :mod:`loc_opt.outer.robust`): the
   coordinate-wise ``'median'`` or ``'trimmed_mean'`` (an all-gather of
-  every worker's fp32 pseudo-gradient instead of the all-reduce; no codec),
+  every worker's pseudo-gradient instead of the all-reduce: fp32, or the
+  payloads of a stateless ``codec``, decoded on every worker),
   or the ``'norm_clipped_mean'`` (each pseudo-gradient clipped to
   ``clip_multiple`` times the median of the workers' norms, then the
   all-reduce, through the codec if any). Absent and non-finite workers are
@@ -384,6 +394,39 @@ def diloco_eval_params(state: DilocoState, params: optax.Params, *,
         _sharded.gather_tree(state.anchor, params, axis,
                              param_specs=param_specs), params)
   return _local.cast_like(state.anchor, params)
+
+
+def diloco_apply_updates(params: optax.Params, updates: optax.Updates,
+                         state: DilocoState) -> optax.Params:
+  """``optax.apply_updates(params, updates)``, except that right after a
+  sync every worker's parameters are the new anchor exactly.
+
+  ``state`` is the state that :func:`diloco` (or :func:`local_sgd`)
+  returned with ``updates``. On a sync step the update is ``anchor -
+  params``, and ``params + (anchor - params)`` is the anchor only up to
+  rounding, far from it for a worker with huge parameters and NaN for a
+  worker whose parameters went NaN (left out of the sync, it could never
+  rejoin). Here the parameters are *set* to the anchor (in their dtypes)
+  on that step; on inner steps this is ``optax.apply_updates``. Call it
+  per worker (under the same ``vmap`` / ``shard_map`` as the update);
+  replicated outer state only.
+
+  Example:
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = loc_opt.diloco_apply_updates(params, updates, state)
+  """
+  anchor_shapes = [jnp.shape(a) for a in jax.tree.leaves(state.anchor)]
+  if anchor_shapes != [jnp.shape(p) for p in jax.tree.leaves(params)]:
+    raise ValueError(
+        'diloco_apply_updates needs the replicated layout (the state\'s '
+        'anchor shaped like params); with outer_state_layout=\'sharded\' '
+        'the anchor holds 1/M shards: reset from diloco_eval_params(..., '
+        'outer_state_layout=\'sharded\') instead')
+  moved = optax.apply_updates(params, updates)
+  synced = (state.steps_since_sync == 0) & (state.count > 0)
+  return jax.tree.map(
+      lambda a, p: jnp.where(synced, a.astype(p.dtype), p),
+      state.anchor, moved)
 
 
 def next_step_syncs(

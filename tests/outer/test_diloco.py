@@ -291,6 +291,68 @@ def test_non_finite_pseudo_gradient_is_left_out(on_mesh):
   np.testing.assert_array_equal(state.left_out, [0, 0, 1, 0])
 
 
+@pytest.mark.parametrize('aggregate', ['mean', 'median'])
+def test_a_worker_whose_parameters_went_nan_rejoins_at_the_anchor(aggregate):
+  # Worker 2's gradient is NaN on inner step 0, so its parameters are NaN
+  # from then on; every sync leaves it out. optax.apply_updates cannot
+  # bring it back (NaN + (anchor - NaN) is NaN); diloco_apply_updates sets
+  # it to the anchor exactly, and it trains on with the others.
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=2, aggregate=aggregate)
+
+  def run(apply, steps=6):
+    params = helpers.stack(conf.example_params())
+    state = jax.vmap(tx.init)(params)
+
+    def step(p, s, batch, t):
+      g = jax.grad(helpers.quad_loss)(p, batch)
+      bad = (jax.lax.axis_index('worker') == 2) & (t == 0)
+      g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), g)
+      u, s = tx.update(g, s, p)
+      return apply(p, u, s), s
+
+    f = jax.jit(jax.vmap(step, axis_name='worker', in_axes=(0, 0, 0, None)))
+    for t in range(steps):
+      params, state = f(params, state, helpers.worker_batches(t), t)
+    return params, state
+
+  plain, _ = run(lambda p, u, s: optax.apply_updates(p, u))
+  assert np.isnan(plain['w'][2]).all()  # the library loop loses it
+  params, state = run(loc_opt.diloco_apply_updates)
+  # after the last sync (step 5) every worker is exactly at the anchor
+  for m in range(M):
+    for got, want in zip(jax.tree.leaves(helpers.worker(params, m)),
+                         jax.tree.leaves(helpers.worker(state.anchor, m))):
+      np.testing.assert_array_equal(got, want)
+  assert np.isfinite(params['w']).all()
+  # left out of the first sync only: it rejoined and took part after
+  np.testing.assert_array_equal(state.left_out, [0, 0, 1, 0])
+  mid, _ = run(loc_opt.diloco_apply_updates, steps=3)
+  assert np.isfinite(mid['w'][2]).all()  # an inner step from the anchor
+
+
+def test_a_huge_worker_lands_on_the_anchor_exactly():
+  # a worker far from the anchor (1e9 away), left out of the sync: its
+  # update anchor - params loses the anchor's digits in float32
+  tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7),
+                      axis_name=None)
+  params = jax.tree.map(lambda x: x + 1e9, conf.example_params())
+  state = tx.init(conf.example_params())
+  grads = jax.tree.map(jnp.zeros_like, params)
+  u, state = tx.update(grads, state, params, present=jnp.bool_(False))
+  approx = optax.apply_updates(params, u)
+  assert not np.array_equal(approx['w'], state.anchor['w'])  # rounding
+  exact = loc_opt.diloco_apply_updates(params, u, state)
+  np.testing.assert_array_equal(exact['w'], state.anchor['w'])
+  # an inner step (no sync) is optax.apply_updates
+  tx2 = loc_opt.diloco(optax.sgd(0.1), sync_every=2, axis_name=None)
+  p = conf.example_params()
+  s = tx2.init(p)
+  g = jax.tree.map(jnp.ones_like, p)
+  u, s = tx2.update(g, s, p)
+  conf.assert_trees_close(loc_opt.diloco_apply_updates(p, u, s),
+                          optax.apply_updates(p, u), rtol=0, atol=0)
+
+
 def test_absent_worker_keeps_its_codec_state():
   tx = loc_opt.diloco(optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7),
                       codec=compression.error_feedback(
