@@ -34,6 +34,7 @@ from loc_opt.train import programs as programs_lib
 from loc_opt.train import registry
 from loc_opt.train import simulated_time
 from loc_opt.train import spikes as spikes_lib
+from loc_opt.train import startup
 from loc_opt.train import state as state_lib
 from loc_opt.train.method import eval_params_fn
 from loc_opt.train.method import Method
@@ -451,7 +452,9 @@ def data_parallel_bytes_per_step(config: ml_collections.ConfigDict) -> int:
   dp_config.optimizer.spike_num = 0
   dp_config.init_from = ml_collections.ConfigDict({'workdir': '', 'step': 0})
   dp_config.faults = ml_collections.ConfigDict()  # no injected faults
-  exp = get_experiment(dp_config)
+  with startup.phase('compiling the data-parallel step (the summary '
+                     'compares its bytes)'), startup.report_to(None):
+    exp = get_experiment(dp_config)
   return exp.programs.bytes_per_step[exp.plan.inner]
 
 

@@ -29,6 +29,7 @@ from loc_opt.train import hosts
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import preemption
 from loc_opt.train import simulated_time
+from loc_opt.train import startup
 
 
 @dataclasses.dataclass
@@ -79,6 +80,8 @@ def _start(exp, ckpt, config, config_json, branch, progress):
   """``(step, state)`` to start from: this run's checkpoint, else a branch
   of another run, else the initialisation."""
   if ckpt.latest_step() is not None:
+    startup.say(f'restoring the checkpoint at step {ckpt.latest_step()} in '
+                f'{ckpt.dir} ...')
     start, state = ckpt.restore(exp.layout, config_json)
     progress.message(f'resumed from checkpoint at step {start} in {ckpt.dir}')
     return start, state

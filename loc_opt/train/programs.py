@@ -17,6 +17,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import outer_layout
+from loc_opt.train import startup
 from loc_opt.train.method import Method
 from loc_opt.train.method import shared_mask
 
@@ -333,13 +335,26 @@ def _train_steps(config, model, tx, method: Method, plan, mesh, shardings,
   steps = StepPrograms(compile_phase, phases)
   # The run's programs are compiled now (so throughput excludes compiling),
   # unless a plan has very many phases: those compile on first use.
-  for phase in phases[:EAGER_COMPILE_PHASES]:
+  eager = phases[:EAGER_COMPILE_PHASES]
+  for k, phase in enumerate(eager, 1):
+    t0 = time.perf_counter()
+    what = (f'train step {k} of {len(eager)} '
+            f'({_phase_name(phase, plan.inner)})')
+    startup.say(f'compiling {what} ...')
     steps[phase]
+    startup.say(f'compiled {what} in {time.perf_counter() - t0:.1f} s')
   windows = None
   if config.outer.get('overlap', 'none') == 'compiled':
     windows = WindowPrograms(compile_window, plan,
                              method.overlap_steps(config))
   return steps, windows
+
+
+def _phase_name(phase: Any, inner: Any) -> str:
+  """A phase as the startup lines name it."""
+  if phase == inner:
+    return 'inner steps'
+  return 'sync' if phase is True else f'phase {phase}'
 
 
 def _last_loss(out):
