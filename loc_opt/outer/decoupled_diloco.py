@@ -49,6 +49,7 @@ import optax
 
 from loc_opt import _checks
 from loc_opt import compression
+from loc_opt.compression import feedback
 from loc_opt.outer import _fragments
 from loc_opt.outer import _local
 from loc_opt.outer import decoupled_clock
@@ -281,10 +282,20 @@ class _Step:
     payload_mean, new_codec = None, [codec_states]
     if cfg.compressor is not None:
       key = jax.random.fold_in(jax.random.key(cfg.codec_seed), state.count)
+      # Error feedback is kept in unweighted units (the payload over w):
+      # the weight w = c_tokens^2 / c_steps changes between merges, so a
+      # residual stored as w_old x would enter the next payload w_new x
+      # at the wrong scale. It is scaled by this merge's w on the way in
+      # and by 1 / w on the way out.
+      scale = cfg.weighting == 'tokens'
+      inv = jnp.where(weight > 0, 1. / jnp.maximum(weight, 1e-30), 0.)
 
       def payload_mean(tree):
-        mean, _, cs = cfg.compressor.mean(tree, codec_states[p], cfg.comm,
-                                          key)
+        cs_in = (_scale_errors(codec_states[p], weight) if scale
+                 else codec_states[p])
+        mean, _, cs = cfg.compressor.mean(tree, cs_in, cfg.comm, key)
+        if scale:
+          cs = _scale_errors(cs, inv)
         # a learner left out keeps its error buffers as they were
         cs = jax.tree.map(lambda n, o: _local.select_leaf(included, n, o),
                           cs, codec_states[p])
@@ -318,6 +329,45 @@ class _Step:
         out[i] = _fragments.put(out[i], rows,
                                 jnp.where(receive[q], new, mine))
     return out
+
+
+def _scale_errors(codec_state: Any, factor: jax.Array) -> Any:
+  """``codec_state`` with every error-feedback buffer
+  (:func:`loc_opt.compression.error_feedback`) times ``factor``."""
+  def one(x):
+    if isinstance(x, feedback.ErrorFeedbackState):
+      return feedback.ErrorFeedbackState(
+          _scale_errors(x.inner, factor),
+          jax.tree.map(lambda e: e * factor.astype(e.dtype), x.error))
+    return x
+
+  return jax.tree.map(
+      one, codec_state,
+      is_leaf=lambda x: isinstance(x, feedback.ErrorFeedbackState))
+
+
+def _check_codec_state(codec_state: Any, compressor: compression.Compressor
+                       ) -> None:
+  """Refuses, with token weights, a compressor whose per-learner state is
+  in weighted units and cannot be rescaled per learner (EF21, EControl,
+  or a scheme with its own error buffers, e.g. PowerSGD, DGC)."""
+  def kinds(x) -> set[type]:
+    if isinstance(x, dict):
+      x = list(x.values())
+    if not isinstance(x, (tuple, list)):
+      return set()
+    own = {type(x)} if hasattr(x, '_fields') else set()
+    return own.union(*(kinds(v) for v in x))
+
+  found = kinds(codec_state)
+  if (found & {feedback.EF21State, feedback.EControlState}) or (
+      compressor.feedback and feedback.ErrorFeedbackState not in found):
+    raise ValueError(
+        f'decoupled_diloco(weighting=\'tokens\') with codec '
+        f'{compressor.name!r}: its per-learner state holds the weighted '
+        'payload w x, and the token weight w changes between merges; only '
+        'compression.error_feedback buffers are rescaled. Use '
+        'compression.error_feedback, or weighting=\'uniform\'')
 
 
 def _weight(cfg: _Config, admitted: jax.Array, steps: jax.Array,
@@ -439,6 +489,11 @@ def decoupled_diloco(
     codec: compress the weighted pieces (a ``loc_opt.compression`` codec,
       compressor or name, e.g. ``'int4'``; error feedback from the scheme,
       e.g. ``('int4', {})`` wrapped by ``compression.error_feedback``).
+      With token weights the error-feedback buffers are kept in unweighted
+      units (scaled by this merge's ``w`` going in and by ``1 / w`` coming
+      out), since ``w`` changes between merges; schemes whose state cannot
+      be rescaled per learner (EF21, EControl, PowerSGD, DGC) are refused
+      with token weights. A rejoining learner's codec state restarts.
     codec_seed: seed of the shared key of codecs that draw random numbers.
 
   Returns:
@@ -524,15 +579,17 @@ def _init(cfg: _Config, inner: optax.GradientTransformation, params: Any,
   per fragment over its anchor pieces."""
   anchor, parts = _fragments.anchor_parts(params, groups, anchor_dtype)
   zeros = jnp.zeros([cfg.num_fragments], jnp.float32)
+  codec_state = (() if cfg.compressor is None else
+                 tuple(cfg.compressor.init(part) for part in parts))
+  if cfg.compressor is not None and cfg.weighting == 'tokens':
+    _check_codec_state(codec_state, cfg.compressor)
   return DecoupledDilocoState(
       inner_state=inner.init(params), anchor=anchor,
       outer_state=tuple(cfg.outer.init(part) for part in parts),
       count=jnp.zeros([], jnp.int32),
       merges=jnp.zeros([cfg.num_fragments], jnp.int32), steps_since=zeros,
       tokens_since=zeros, inner_steps=jnp.zeros([], jnp.int32),
-      codec_state=(() if cfg.compressor is None else
-                   tuple(cfg.compressor.init(part) for part in parts)),
-      left_out=jnp.zeros([], jnp.int32))
+      codec_state=codec_state, left_out=jnp.zeros([], jnp.int32))
 
 
 def _update(cfg, inner, groups, direct, updates, state, params, extra_args,
@@ -571,6 +628,14 @@ def _update(cfg, inner, groups, direct, updates, state, params, extra_args,
   reset = receive | rejoin
   steps_since = jnp.where(reset, 0., steps_since)
   tokens_since = jnp.where(reset, 0., tokens_since)
+  if cfg.compressor is not None:
+    # A returning learner starts from the global fragments: the residual it
+    # had not sent belongs to a delta that is gone; its codec state restarts.
+    fresh_codec = tuple(cfg.compressor.init(step.pieces(anchor, q))
+                        for q in range(cfg.num_fragments))
+    codec_states = jax.tree.map(
+        lambda n, o: _local.select_leaf(rejoin, n, o), fresh_codec,
+        codec_states)
   if cfg.rejoin_state == 'fresh':
     fresh = inner.init(step.treedef.unflatten(target))
     inner_state = jax.tree.map(lambda n, o: _local.select_leaf(rejoin, n, o),

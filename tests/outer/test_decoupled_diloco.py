@@ -230,6 +230,60 @@ def test_peer_rejoin_copies_a_live_learners_inner_state():
   assert int(state.inner_state[0].count[2]) == 0
 
 
+def test_error_feedback_keeps_its_scale_when_the_token_weight_changes():
+  # Two identical learners with a constant true delta; tokens per step 8,
+  # then 1 (the weight c_tokens^2 / c_steps drops 64x). The merged delta
+  # through 2-bit statistical quantization with error feedback must stay
+  # as close to the true delta after the drop as before it (the residual
+  # in weighted units made the first merge after the drop ~20x |delta|
+  # off). A rejoin restarts the learner's codec state.
+  m, h, lr = 2, 2, 0.01
+  g = {'w': jax.random.normal(jax.random.key(1), (16, 8)),
+       'b': jax.random.normal(jax.random.key(2), (8,))}
+  codec = compression.error_feedback(compression.statistical(2))
+  tx = loc_opt.decoupled_diloco(
+      optax.sgd(lr), fragments={'w': 0, 'b': 0}, merge='average',
+      weighting='tokens', codec=codec, outer=optax.sgd(1.))
+  params = helpers.stack(jax.tree.map(jnp.zeros_like, g), m)
+  state = jax.vmap(tx.init)(params)
+
+  def make(sync):
+    def step(p, s, tokens, rejoin):
+      u, s = tx.update(g, s, p, sync=sync, tokens=tokens, rejoin=rejoin)
+      return optax.apply_updates(p, u), s
+    return jax.jit(jax.vmap(step, axis_name='worker', in_axes=(0, 0, None,
+                                                                0)))
+
+  steps = {False: make(False), True: make((0, None))}
+  true = jax.tree.map(lambda x: lr * h * x, g)
+  errors, none = [], np.zeros(m, bool)
+  for r in range(8):
+    tokens = jnp.float32(8. if r < 4 else 1.)
+    before = state.anchor
+    for t in range(h):
+      params, state = steps[t == h - 1](params, state, tokens, none)
+    merged = jax.tree.map(lambda a, b: a[0] - b[0], before, state.anchor)
+    errors.append(float(optax.tree.norm(optax.tree.sub(merged, true))
+                        / optax.tree.norm(true)))
+  assert max(errors[4:]) < 1.5 * max(errors[:4]), errors
+  error = jax.tree.leaves(state.codec_state[0].error)
+  assert all(float(jnp.abs(e).max()) > 0 for e in error)
+  _, state = steps[False](params, state, tokens, np.array([False, True]))
+  for e in jax.tree.leaves(state.codec_state[0].error):
+    assert float(jnp.abs(e[0]).max()) > 0
+    np.testing.assert_array_equal(e[1], np.zeros_like(e[1]))
+
+
+def test_token_weights_refuse_a_codec_state_they_cannot_rescale():
+  ef21 = compression.ef21(compression.statistical(2))
+  params = conf.example_params()
+  tx = loc_opt.decoupled_diloco(optax.sgd(.1), fragments=_FRAGS, codec=ef21)
+  with pytest.raises(ValueError, match='only compression.error_feedback'):
+    tx.init(params)
+  loc_opt.decoupled_diloco(optax.sgd(.1), fragments=_FRAGS, codec=ef21,
+                           weighting='uniform').init(params)
+
+
 def test_bad_arguments_name_the_field():
   with pytest.raises(ValueError, match='merge must be one of'):
     loc_opt.decoupled_diloco(optax.sgd(1.), num_fragments=2, merge='sum')
