@@ -194,5 +194,7 @@ def test_sigterm_to_local_processes_saves_and_resumes_exactly(tmp_path):
   s_full, s_run = (json.loads((tmp_path / n / 'summary.json').read_text())
                    for n in ('full', 'run'))
   assert s_run['step'] == s_full['step'] == 120
+  # Both are 2-process runs of the same compiled steps on the same cores;
+  # the resume replays them on the restored state: bit for bit.
   assert s_run['final_eval_loss'] == s_full['final_eval_loss']
   assert s_run['final_train_loss'] == s_full['final_train_loss']

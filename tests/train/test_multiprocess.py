@@ -5,7 +5,10 @@ Each run is ``python -m experiments.train`` in its own processes, joined by
 reference joins one process (8 devices) the same way, so that both runs use
 the same collective implementation: with JAX's in-process CPU collectives
 (no ``jax.distributed``) the all-reduces sum in another order and the
-parameters agree only to about 1e-7.
+parameters agree only to about 1e-7. The two runs are still programs
+compiled and run by different processes (per-process thread pools, which
+may split a reduction differently), so they are compared to float32
+rounding; on this project's CPUs they have agreed bit for bit.
 """
 
 import json
@@ -23,6 +26,7 @@ import pytest
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
+from tests.train._helpers import assert_leaves_close
 from tests.train._helpers import leaves
 from tests.train._helpers import tiny_config
 
@@ -109,6 +113,22 @@ _SUMMARY_KEYS = ('step', 'finished', 'final_eval_loss', 'final_train_loss',
                  'data_parallel_cross_worker_bytes')
 
 
+def _assert_close(a, b, where):
+  """JSON values equal, floats to float32 rounding (ints, strings exactly)."""
+  if isinstance(a, dict):
+    assert isinstance(b, dict) and sorted(a) == sorted(b), where
+    for k in a:
+      _assert_close(a[k], b[k], f'{where}.{k}')
+  elif isinstance(a, list):
+    assert isinstance(b, list) and len(a) == len(b), where
+    for i, (x, y) in enumerate(zip(a, b)):
+      _assert_close(x, y, f'{where}[{i}]')
+  elif isinstance(a, float) or isinstance(b, float):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=where)
+  else:
+    assert a == b, (where, a, b)
+
+
 @pytest.mark.slow
 def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
                                                               tmp_path):
@@ -134,14 +154,21 @@ def test_two_processes_streaming_int8_interrupted_and_resumed(data_dir,
   assert 'final eval loss' in outputs[0]
   assert 'final eval loss' not in outputs[1]
 
-  for a, b in zip(_final_state(tmp_path / 'one', config),
-                  _final_state(tmp_path / 'two', config)):
-    np.testing.assert_array_equal(a, b)
-  assert _records(tmp_path / 'one') == _records(tmp_path / 'two')
+  # Two processes' programs against one's (see the module docstring):
+  # float leaves to float32 rounding, integer leaves exactly.
+  one_state = _final_state(tmp_path / 'one', config)
+  assert_leaves_close(one_state, _final_state(tmp_path / 'two', config))
+  _assert_close(_records(tmp_path / 'one'), _records(tmp_path / 'two'),
+                'records')
   summaries = [json.loads((tmp_path / r / 'summary.json').read_text())
                for r in ('one', 'two')]
   for key in _SUMMARY_KEYS:
-    assert summaries[0][key] == summaries[1][key], key
+    _assert_close(summaries[0][key], summaries[1][key], key)
+  # The training moved the state far more than the tolerance: the check
+  # bites.
+  init = leaves(exp_lib.get_experiment(config).init_state())
+  assert max(float(np.max(np.abs(a - b))) for a, b in zip(
+      init, one_state, strict=True) if a.dtype.kind == 'f') > 1e-3
   plan = exp_lib.get_experiment(config).plan
   assert summaries[1]['syncs'] == plan.num_syncs(0, config.num_steps) > 2
   assert summaries[1]['finished']
