@@ -23,10 +23,25 @@ mid-run; to train longer, branch off the run (``init_from``). The ``mesh``
 may change for a method whose workers share an anchor (``Method.elastic``):
 an elastic resume (``loc_opt.train.elastic``).
 
+Every checkpoint carries a digest of each saved array (``digests``, a JSON
+item; ``loc_opt.train.integrity``), computed where each process holds the
+bytes and checked against the arrays read back on restore; and a state
+with a non-finite leaf (parameters, inner and outer optimizer state,
+anchor, codec state, counters) is never saved: :class:`faults.NonFiniteError`
+names the leaf.
+
 A newest checkpoint that cannot be read (a truncated or garbage file, a
-missing item, a state of another structure) is reported in one line, moved
-to ``workdir/unreadable_checkpoints``, and the run resumes from the newest
-readable one; with none left, :class:`CheckpointError` says why for each.
+missing item, a digest that does not match, a state of another structure,
+a file that cannot be opened) is reported in one line, with the reason in
+words, moved to ``workdir/unreadable_checkpoints`` (or, when it cannot be
+moved, left in place, skipped and named), and the run resumes from the
+newest readable one; with none left, :class:`CheckpointError` says why for
+each.
+
+Rotation keeps the newest ``keep_checkpoints`` checkpoints and, besides
+them, the newest *verified* one: the one this run restored (its digests
+matched), until a newer one is verified. So a corruption that a save could
+not see never costs the last checkpoint known to be good.
 
 A new run may also start from another run's checkpoint (:func:`restore_branch`,
 the decay branch of WSD / WSD-S): then the model, mesh, data, batch, seed,
@@ -35,10 +50,12 @@ schedule and the run length may change.
 """
 
 from collections.abc import Callable, Sequence
+import errno
 import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import sys
 import traceback
@@ -49,6 +66,8 @@ import jax
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from loc_opt.train import faults
+from loc_opt.train import integrity
 from loc_opt.train import orbax_io
 from loc_opt.train import registry
 
@@ -141,12 +160,73 @@ class CheckpointError(RuntimeError):
   """A checkpoint in the workdir cannot be used to resume."""
 
 
+class DiskFullError(CheckpointError):
+  """A save found no space left on the workdir's device."""
+
+
+# TensorStore's status prefixes, as its errors reach Python.
+_STATUS = re.compile(r'^([A-Z_]+): ')
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  out, seen = [], set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    out.append(error)
+    error = error.__cause__ or error.__context__
+  return out
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+  text = re.sub(r'\s*\[tensorstore_spec=.*', '', text.strip(), flags=re.S)
+  line = (text.splitlines() or [''])[0]
+  return line if len(line) <= limit else line[:limit - 3] + '...'
+
+
+def unreadable_reason(error: BaseException, where: pathlib.Path) -> str:
+  """Why checkpoint ``where`` could not be read, in words (one line):
+  which file or array, and what is wrong with it."""
+  chain = _chain(error)
+  for e in chain:
+    if isinstance(e, PermissionError):
+      return f'permission denied reading {e.filename or where}'
+    if isinstance(e, IsADirectoryError):
+      return f'a directory where a file should be: {e.filename}'
+    if isinstance(e, OSError) and e.errno == errno.EIO:
+      return f'I/O error reading {e.filename or where}'
+  texts = [str(e) for e in chain]
+  for text in texts:
+    m = re.search(r'Item "(\w+)" was not found', text)
+    if m:
+      return f'item {m.group(1)!r} missing ({where / m.group(1)} is absent)'
+  if any('pytree structure error' in t for t in texts) and \
+      not (where / 'state' / '_METADATA').exists():
+    return f'metadata missing ({where / "state" / "_METADATA"} is absent)'
+  status = [t for t in texts if _STATUS.match(t)]
+  detail = status[-1] if status else texts[-1]
+  array = re.search(r'Error (?:reading|writing) "([^"/]+)(?:/[^"]*)?"', detail)
+  name = f' ({array.group(1)})' if array else ''
+  if 'byte range' in detail and 'not valid for value of size' in detail:
+    return f'an array file is shorter than its metadata says{name}'
+  if re.search(r'zstd|decompress|Truncated', detail, re.I):
+    return f'array data cannot be decoded{name}: ' + _first_line(
+        detail.rsplit(': ', 1)[-1], 120)
+  if 'manifest' in detail and 'Error decoding' in detail:
+    return 'the array index (OCDBT manifest) cannot be decoded: ' + \
+        _first_line(detail.rsplit(': ', 1)[-1], 120)
+  if detail.startswith('PERMISSION_DENIED'):
+    return f'permission denied{name}: ' + _first_line(detail, 160)
+  if detail.startswith('NOT_FOUND'):
+    return f'a file is missing{name}: ' + _first_line(detail, 160)
+  return f'{type(chain[-1]).__name__}: {_first_line(detail)}'
+
+
 class _Unreadable(CheckpointError):
   """The checkpoint at ``step`` cannot be read; ``reason`` is one line."""
 
-  def __init__(self, step: int, where: pathlib.Path, error: Exception):
-    lines = str(error).strip().splitlines() or ['']
-    reason = f'{type(error).__name__}: {lines[0]}'
+  def __init__(self, step: int, where: pathlib.Path,
+               error: BaseException | None = None, reason: str = ''):
+    reason = reason or unreadable_reason(error, where)
     if len(reason) > 300:
       reason = reason[:297] + '...'
     self.step, self.reason = step, reason
@@ -236,15 +316,20 @@ class Checkpointer:
     self.warn, self.report = warn, report
     if read_only and not self.dir.is_dir():
       raise CheckpointError(f'no checkpoints in {self.dir}')
-    # Read-only: nothing is created, and nothing is ever deleted since
-    # nothing is saved (max_to_keep applies on save only).
+    # Rotation is ours (_rotate: the newest verified one is kept too);
+    # read-only: nothing is created or deleted.
+    self.max_to_keep = max_to_keep
     self.manager = ocp.CheckpointManager(
         self.dir,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max_to_keep,
-            create=not read_only, enable_async_checkpointing=False),
+            max_to_keep=None, create=not read_only,
+            enable_async_checkpointing=False),
         item_handlers=orbax_io.item_handlers())
     self.read_only = read_only
+    # Steps whose arrays were read back and matched their digests.
+    self.verified: set[int] = set()
+    # Unreadable steps that could not be moved aside (skipped, named).
+    self.stuck: set[int] = set()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -256,17 +341,94 @@ class Checkpointer:
     return step == last_step or (self.every > 0 and step % self.every == 0)
 
   def save(self, step: int, state: Any, config_json: str) -> None:
+    """Saves ``state`` as checkpoint ``step`` (nothing if it exists).
+
+    Raises:
+      faults.NonFiniteError: a leaf of the state is not finite (named);
+        nothing is written.
+      DiskFullError: the device of the workdir is full; the partial
+        checkpoint is removed, the earlier ones are intact.
+    """
     if self.read_only:
       raise CheckpointError(f'{self.dir} was opened read-only')
     if step in self.manager.all_steps():
+      if step in self.stuck:
+        self.warn(f'not saving step {step}: the unreadable checkpoint '
+                  f'{self.dir / str(step)} could not be moved aside')
       return
     items = {'config': ocp.args.JsonSave(json.loads(config_json))}
     if self.layout is not None:
       state = self.layout.to_saved(state)
       items['layout'] = ocp.args.JsonSave(self.layout.info)
+    digests, finite = integrity.inspect(state)
+    bad = integrity.first_non_finite(finite)
+    if bad is not None:
+      raise faults.NonFiniteError(
+          f'non-finite values in {bad} at step {step}; not saving a '
+          'checkpoint, the previous one is finite')
+    items['digests'] = ocp.args.JsonSave(
+        {'algorithm': integrity.ALGORITHM, 'arrays': digests})
     items['state'] = ocp.args.StandardSave(state)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self.manager.wait_until_finished()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if not any(isinstance(x, OSError) and x.errno == errno.ENOSPC
+                 or 'No space left on device' in str(x) for x in _chain(e)):
+        raise
+      self._remove_partial(step)
+      raise DiskFullError(self._disk_full_message(step)) from None
+    self._rotate()
+
+  def _remove_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left (Orbax's temporary
+    directory, or an unfinished step directory)."""
+    if jax.process_index() != 0:
+      return
+    for path in self.dir.glob(f'{step}.orbax-checkpoint-tmp*'):
+      shutil.rmtree(path, ignore_errors=True)
+    final = self.dir / str(step)
+    if final.is_dir() and not (final / 'commit_success.txt').exists() \
+        and not (final / '_CHECKPOINT_METADATA').exists():
+      shutil.rmtree(final, ignore_errors=True)
+
+  def _disk_full_message(self, step: int) -> str:
+    need = None
+    for s in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        need = sum(f.stat().st_size for f in (self.dir / str(s)).rglob('*')
+                   if f.is_file())
+        break
+      except OSError:
+        continue
+    free = shutil.disk_usage(self.dir).free
+    size = (f'about {need:,} bytes (the size of the last checkpoint)'
+            if need else 'more space')
+    return (f'no space left on the device of {self.dir.parent} while saving '
+            f'the checkpoint of step {step}: it needs {size}, {free:,} bytes '
+            'are free; its partial copy was removed and the earlier '
+            'checkpoints are intact. Free space and run the same command '
+            'to resume.')
+
+  def _rotate(self) -> None:
+    """Deletes all but the newest ``max_to_keep`` checkpoints and the
+    newest verified one."""
+    if not self.max_to_keep:
+      return
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    keep = set(steps[:self.max_to_keep])
+    verified = [s for s in steps if s in self.verified]
+    if verified:
+      keep.add(verified[0])
+    for s in steps:
+      if s in keep or s in self.stuck:
+        continue
+      try:
+        self.manager.delete(s)
+      except Exception as e:  # pylint: disable=broad-except
+        self.stuck.add(s)
+        self.warn(f'could not delete the old checkpoint {self.dir / str(s)} '
+                  f'({_first_line(str(e))}); it stays')
 
   def restore(self, target: Any, config_json: str,
                step: int | None = None, *,
@@ -315,10 +477,17 @@ class Checkpointer:
         unreadable.append(e)
         continue
       for e in unreadable:
-        moved = self._set_aside(e.step)
+        moved, why = self._set_aside(e.step)
+        if moved:
+          where = f' (moved it to {moved})'
+        elif why:
+          where = (f' (could not move it aside: {why}; skipped, it stays at '
+                   f'{self.dir / str(e.step)})')
+        else:
+          where = ''
         self.warn(f'checkpoint at step {e.step} is unreadable ({e.reason}); '
-                  f'resuming from step {s}'
-                  + (f' (moved it to {moved})' if moved else ''))
+                  f'resuming from step {s}{where}')
+      self.verified.add(s)
       return s, state
     raise CheckpointError(
         f'no readable checkpoint in {self.dir}: '
@@ -364,12 +533,32 @@ class Checkpointer:
               state=ocp.args.StandardRestore(abstract)))
     except Exception as e:  # pylint: disable=broad-except
       raise _Unreadable(step, where, e) from e
+    self._verify(step, where, restored['state'])
     if layout is None:
       return restored['state']
     state, note = layout.from_saved(restored['state'], info, step)
     if note:
       self.report(note)
     return state
+
+  def _verify(self, step: int, where: pathlib.Path, saved_tree: Any) -> None:
+    """Checks the arrays read back against the digests saved with them
+    (a checkpoint written before digests has none to check)."""
+    if not (where / 'digests').exists():
+      return
+    try:
+      saved = self.manager.restore(
+          step, args=ocp.args.Composite(digests=ocp.args.JsonRestore()))
+      saved = saved['digests']['arrays']
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Unreadable(step, where, e) from e
+    now, _ = integrity.inspect(saved_tree)
+    bad = integrity.mismatches(saved, now)
+    if bad:
+      more = f' and {len(bad) - 1} more' if len(bad) > 1 else ''
+      raise _Unreadable(step, where, reason=(
+          f'checksum mismatch in {bad[0]}{more}: the bytes read back differ '
+          'from those saved (a file changed after it was written)'))
 
   def _layout_info(self, step: int) -> dict[str, Any] | None:
     """The ``layout`` item of checkpoint ``step`` (None: it has none, the
@@ -379,22 +568,38 @@ class Checkpointer:
     return self.manager.restore(
         step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))['layout']
 
-  def _set_aside(self, step: int) -> pathlib.Path | None:
+  def _set_aside(self, step: int) -> tuple[pathlib.Path | None, str]:
     """Moves checkpoint ``step`` out of the way of new saves to
-    ``workdir/unreadable_checkpoints`` (process 0 moves it)."""
+    ``workdir/unreadable_checkpoints`` (process 0 moves it).
+
+    Returns:
+      ``(where it went, '')``, or ``(None, why)`` when it could not be
+      moved (then it stays, is never deleted or overwritten by this run,
+      and a save of its step is skipped with a line), or ``(None, '')``
+      read-only.
+    """
     if self.read_only:
-      return None
+      return None, ''
     dest = self.dir.parent / 'unreadable_checkpoints' / str(step)
-    n = 1
-    while dest.exists():
-      dest, n = dest.with_name(f'{step}.{n}'), n + 1
+    why = ''
     if jax.process_index() == 0:
-      dest.parent.mkdir(exist_ok=True)
-      shutil.move(self.dir / str(step), dest)
+      try:
+        n = 1
+        while dest.exists():
+          dest, n = dest.with_name(f'{step}.{n}'), n + 1
+        dest.parent.mkdir(exist_ok=True)
+        os.rename(self.dir / str(step), dest)
+      except OSError as e:
+        why = f'{e.strerror or type(e).__name__}: {e.filename or dest}'
     if jax.process_count() > 1:  # every process sees it gone before saving
-      multihost_utils.sync_global_devices(f'loc_opt_set_aside_{step}')
+      failed = multihost_utils.broadcast_one_to_all(int(bool(why)))
+      if int(failed) and not why:
+        why = 'process 0 could not move it'
     self.manager.reload()
-    return dest
+    if why:
+      self.stuck.add(step)
+      return None, why
+    return dest, ''
 
   def close(self) -> None:
     self.manager.close()

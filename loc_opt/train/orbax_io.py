@@ -59,6 +59,7 @@ def state_handler() -> ocp.StandardCheckpointHandler:
 
 def item_handlers() -> dict[str, ocp.CheckpointHandler]:
   """The handlers of a checkpoint's items: the state, and the JSON items
-  ``config`` and ``layout`` (``loc_opt.train.checkpoint``)."""
+  ``config``, ``layout`` and ``digests`` (``loc_opt.train.checkpoint``)."""
   return {'state': state_handler(), 'config': ocp.JsonCheckpointHandler(),
-          'layout': ocp.JsonCheckpointHandler()}
+          'layout': ocp.JsonCheckpointHandler(),
+          'digests': ocp.JsonCheckpointHandler()}
