@@ -3,14 +3,16 @@
 The default experiment. On a machine without accelerators it runs on 8
 virtual CPU devices, on text from the Python standard library, offline.
 
-Launch:
-  python -m experiments.train --config=configs/diloco_lm.py --workdir=DIR
+Launch (installed: ``pip install 'loc_opt[train]'``; in a clone,
+``python -m experiments.train`` is the same program):
+  loc-opt-train --config=diloco_lm --workdir=DIR
 The same run on a 2-layer MLP bigram model instead (seconds to compile on a
 CPU: smoke runs, tests):
-  python -m experiments.train --config=configs/diloco_lm.py:mlp --workdir=DIR
+  loc-opt-train --config=diloco_lm:mlp --workdir=DIR
 Override any field, e.g.:
-  python -m experiments.train --config=configs/diloco_lm.py --workdir=DIR \\
+  loc-opt-train --config=diloco_lm --workdir=DIR \\
     --config.outer.sync_every=50 --config.num_steps=400
+Every method runs from its name alone: --config.outer.method=NAME.
 """
 
 import ml_collections
@@ -25,7 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, '', 'transformer', 'mlp'):
     raise ValueError(f"config argument {arg!r} is not a model: use "
                      "'transformer' (the default) or 'mlp', e.g. "
-                     "--config=configs/diloco_lm.py:mlp")
+                     "--config=diloco_lm:mlp")
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seed of the model initialisation and of the data order.
   c.num_steps = 300  # Inner (optimizer) steps of every worker.
@@ -67,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.simulate_workers = False
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = 'transformer'  # Or 'mlp': configs/diloco_lm.py:mlp.
+  c.model.name = 'transformer'  # Or 'mlp': --config=diloco_lm:mlp.
   c.model.vocab_size = 256  # Byte-level vocabulary.
   c.model.d_model = 128  # Residual width.
   c.model.num_layers = 2  # Transformer blocks.
@@ -206,7 +208,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # pseudo-gradients.
   # Streaming DiLoCo ('streaming_diloco'): fragments synced in turn.
   s = c.outer.streaming_diloco = ml_collections.ConfigDict()
-  s.num_fragments = 3  # P (embeddings/head + block groups).
+  # P (embeddings/head + block groups); 0: the first of 3, 2, 1 that
+  # divides sync_every (3 at H = 30, 2 at the default H = 50).
+  s.num_fragments = 0
   # Blocks to fragments: 'strided', 'sequential', or 'balanced' (whole
   # tensors bin-packed by size: models without numbered blocks, e.g. :mlp).
   s.pattern = 'strided'
@@ -258,7 +262,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.aggregate = 'mean_of_selected'
   # DES-LOC ('desloc') and MT-DAO ('mt_dao'): a period per optimizer state;
   # 0 = a multiple of sync_every (DES-LOC: 3x for mu, 6x for nu; MT-DAO: 1x).
-  # MT-DAO needs optimizer.name = 'multi_timescale_adam'.
+  # MT-DAO runs optimizer.name = 'multi_timescale_adam'; with the default
+  # 'adamw' it uses multi_timescale_adam's slow momenta and adamw's b2,
+  # weight_decay, clip and schedule.
   s = c.outer.desloc = ml_collections.ConfigDict()
   s.mu_sync_every = 0  # First moment (DES-LOC).
   s.nu_sync_every = 0  # Second moment.

@@ -104,6 +104,7 @@ from loc_opt.outer.sparseloco import sparseloco
 from loc_opt.outer.sparseloco import sparseloco_eval_params
 from loc_opt.outer.sparseloco import sparseloco_payload_bytes
 from loc_opt.outer.sparseloco import sparseloco_plan
+from loc_opt.outer.streaming_diloco import default_fragments
 from loc_opt.outer.streaming_diloco import fragment_bytes
 from loc_opt.outer.streaming_diloco import fragment_ids
 from loc_opt.outer.streaming_diloco import streaming_diloco

@@ -220,6 +220,19 @@ def _as_ids(x: Any, leaf: Any, name: str) -> LeafIds:
   return int(x)
 
 
+def default_fragments(params: Any, num_fragments: int) -> Any:
+  """The default split of ``params`` into ``num_fragments``: numbered
+  blocks strided over the fragments (:func:`fragment_ids`) when the params
+  have blocks (``layer_<i>`` paths or stacked ``layers/`` leaves), else
+  whole leaves bin-packed by size (:func:`balanced_fragments`), so that any
+  pytree has one."""
+  blocks = _leaf_blocks(params, re.compile(BLOCK_PATTERN),
+                        re.compile(STACKED_PATTERN))
+  if all(b is None for b in blocks):
+    return balanced_fragments(params, num_fragments)
+  return fragment_ids(params, num_fragments)
+
+
 def leaf_fragments(params: Any, fragments: Any, num_fragments: int | None
                    ) -> tuple[LeafIds, ...]:
   """The fragment of each leaf of ``params`` (tree-flatten order): an int,
@@ -228,7 +241,7 @@ def leaf_fragments(params: Any, fragments: Any, num_fragments: int | None
   that the ids cover ``0 .. num_fragments - 1`` (default: ``max + 1``)."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   if fragments is None:
-    raw = treedef.flatten_up_to(fragment_ids(params, num_fragments))
+    raw = treedef.flatten_up_to(default_fragments(params, num_fragments))
   elif callable(fragments):
     raw = [fragments(path, leaf) for path, leaf in with_path]
   else:

@@ -32,6 +32,7 @@ from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 from loc_opt.outer import robust
 from loc_opt.outer._fragments import fragment_bytes  # noqa: F401
+from loc_opt.outer._fragments import default_fragments  # noqa: F401
 from loc_opt.outer._fragments import fragment_ids  # noqa: F401
 from loc_opt.outer._fragments import FragmentFn
 from loc_opt.outer._fragments import PATTERNS  # noqa: F401
@@ -349,9 +350,12 @@ def streaming_diloco(
     fragments: which fragment each leaf belongs to: a tree with the
       params' structure whose entry for a leaf is an int, or for a stacked
       leaf ``[L, ...]`` (scanned layers) a tuple of ``L`` ints, one per row;
-      or ``(key_path, leaf) -> int | tuple``; default ``fragment_ids(params,
-      num_fragments)`` (strided blocks, stacked rows placed as blocks,
-      non-block leaves apart).
+      or ``(key_path, leaf) -> int | tuple``; default: for params with
+      numbered blocks (``layer_<i>`` or stacked ``layers/``)
+      ``fragment_ids(params, num_fragments)`` (strided blocks, stacked rows
+      placed as blocks, non-block leaves apart), for any other pytree
+      ``balanced_fragments(params, num_fragments)`` (whole leaves
+      bin-packed by size).
     overlap: ``tau``, inner steps between a fragment's send and its outer
       update, ``0 <= tau < H / P``; default 1, the paper's headline setting
       (a sync may take as long as one inner step). 0: no overlap.

@@ -145,20 +145,21 @@ def test_fragment_ids_raise_on_empty_fragment(layers, p):
     outer.fragment_ids(lm_params(layers), p)
 
 
-def test_model_without_blocks_is_told_how_to_fragment():
-  # An MLP's leaves match no block pattern: the error names the way out,
-  # and the suggested fragments work.
+def test_model_without_blocks_gets_the_balanced_split():
+  # An MLP's leaves match no block pattern: by default its whole leaves are
+  # bin-packed by size (balanced_fragments), the same state as passing
+  # that split.
   params = {'dense_0': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)},
             'dense_1': {'kernel': jnp.zeros((8, 4)), 'bias': jnp.zeros(4)}}
-  tx = loc_opt.streaming_diloco(optax.sgd(0.1), sync_every=4,
-                                num_fragments=2, axis_name=None)
-  with pytest.raises(ValueError, match=r'balanced_fragments\(params, 2\)'):
-    tx.init(params)
+  default = loc_opt.streaming_diloco(optax.sgd(0.1), sync_every=4,
+                                     num_fragments=2, axis_name=None)
   ids = outer.balanced_fragments(params, 2)
   tx = loc_opt.streaming_diloco(optax.sgd(0.1), sync_every=4,
                                 num_fragments=2, fragments=ids, axis_name=None)
   assert sorted(set(jax.tree.leaves(ids))) == [0, 1]
-  tx.init(params)
+  assert outer.default_fragments(params, 2) == ids
+  jax.tree.map(np.testing.assert_array_equal, default.init(params),
+               tx.init(params))
   # pattern='balanced' (the trainer's outer.streaming_diloco.pattern) is
   # the same split.
   assert outer.fragment_ids(params, 2, pattern='balanced') == ids
