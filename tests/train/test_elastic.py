@@ -42,7 +42,8 @@ def _restore(workdir, config):
 
 
 def _check_carried(old, new, method):
-  """Shared fields and scalars equal; surviving workers' leaves equal."""
+  """Shared fields and scalars equal; surviving workers' leaves equal (an
+  elastic restore copies and selects what was saved, no arithmetic: exact)."""
   o, n = old['opt_state'], new['opt_state']
   for field in method.shared_fields:
     for a, b in zip(leaves(getattr(o, field)), leaves(getattr(n, field)),

@@ -59,6 +59,8 @@ def test_a_skipped_step_keeps_the_shared_fields_level(data_dir):
                                     'faults.nan_grad_workers': (1,)})
   before, after = _one_step(config)
   old, new = before['opt_state'], after['opt_state']
+  # Shared fields: the same operations on every worker in one program, and
+  # a skipped worker's own fields are selected, not recomputed: exact.
   for field in registry.METHODS['diloco'].shared_fields:
     for x in leaves(getattr(new, field)):
       for m in range(1, x.shape[0]):
@@ -73,6 +75,7 @@ def test_data_parallel_skips_the_whole_step(data_dir):
   config = tiny_config(data_dir, **{'outer.method': 'data_parallel',
                                     'faults.nan_grad_steps': (0,)})
   before, after = _one_step(config)
+  # A skipped step selects the old values (no arithmetic): exact.
   for old, new in zip(leaves(before['params']), leaves(after['params'])):
     np.testing.assert_array_equal(new, old)
   assert int(after['faults']['bad_steps']) == 1
@@ -184,6 +187,7 @@ def test_a_dropped_worker_is_left_out_and_rejoins_at_the_anchor(
   np.testing.assert_array_equal(state['opt_state'].left_out, [0, 0, 1, 0])
   # Step 11 synced: every worker, the dropped one too, is at the shared
   # anchor (within the rounding of theta + (phi - theta)).
+  # (The anchor: one all-reduced value, the same on every worker: exact.)
   for p, a in zip(leaves(state['params']), leaves(state['opt_state'].anchor)):
     for m in range(4):
       np.testing.assert_array_equal(a[m], a[0])
@@ -209,3 +213,33 @@ def test_a_worker_with_nan_params_is_left_out_and_reset_at_the_sync(
   np.testing.assert_array_equal(state['opt_state'].left_out, [0, 1, 0, 0])
   assert all(np.isfinite(x).all() for x in leaves(state['params']))
   assert np.isfinite(summary['final_eval_loss'])
+
+
+@pytest.mark.parametrize('sync_every', [1, 10, 50])
+def test_a_diverged_run_stops_whatever_the_sync_period(data_dir, tmp_path,
+                                                      sync_every):
+  # Learning rate 1e30: every worker goes non-finite right after each sync
+  # resets it to the anchor. With syncs every 10 steps no worker has
+  # faults.max_bad_steps (10) bad steps in a row, but 9 of every 10 are
+  # bad: the fraction rule stops it; at 50, the consecutive rule.
+  config = tiny_config(data_dir, **{
+      'num_steps': 60, 'outer.sync_every': sync_every,
+      'optimizer.learning_rate': 1e30, 'checkpoint_every': 8,
+      'eval_every': 0})
+  with pytest.raises(faults.NonFiniteError) as info:
+    train.train_and_evaluate(config, tmp_path)
+  records = train.read_metrics(tmp_path)
+  assert records and records[-1]['step'] < 60
+  assert not (tmp_path / 'summary.json').exists()
+  # Syncs every 10 steps keep every run of bad steps below 10: only the
+  # fraction rule can stop it (before it, this run ended with rc 0).
+  rule = 'more than half' if sync_every == 10 else 'consecutive steps'
+  assert rule in str(info.value), info.value
+  step = ckpt_lib.latest_step(tmp_path)
+  if step is not None:  # every checkpoint it left is finite
+    exp = exp_lib.get_experiment(config)
+    ckpt = ckpt_lib.Checkpointer(tmp_path, every=8)
+    _, state = ckpt.restore(exp.layout, train.config.config_to_json(config))
+    ckpt.close()
+    assert all(np.isfinite(x).all() for x in leaves(state)
+               if np.issubdtype(x.dtype, np.floating))
