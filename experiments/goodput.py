@@ -18,16 +18,30 @@ are then predictions, compared with the paper's; the table also tests the
 rule of thumb (``M`` learners on ``N`` chips ~ elastic DP on ``N / M``
 chips) in our simulation and in the paper's numbers.
 
+That Decoupled DiLoCo row is a renewal model (every step of a live learner
+counts: ``M`` elastic jobs on ``N / M`` chips), so it is an upper bound.
+Beside it (``--measure``, the default) goodput is measured on the
+Decoupled DiLoCo driver's own timeline
+(``loc_opt.parallel.goodput.simulate_timeline``:
+``loc_opt.outer.decoupled_timeline`` under the chaos model, with the same
+failure rate and the fitted pauses as each learner's downtime): work of
+learners not admitted to a merge, work overwritten between a merge and its
+arrival and unmerged work lost at a rejoin do not count, and the table
+shows where the time went.
+
 The paper's numbers are second-hand (a digest of Douillard et al.,
 *Decoupled DiLoCo for Resilient Distributed Pre-training*, arXiv
 2604.21428, 2026, Table 1; ``/work/shared/specs/frontier-2026.md`` 1.7).
 
+  python -m experiments.goodput                 # prints the tables
   python -m experiments.goodput --workdir=docs/results \
     --figure=docs/figures/goodput.png
 
-Writes ``goodput.md`` and ``goodput.json`` to --workdir and the figure
-(goodput against chips, and against chips per learner) to --figure
-(default ``<workdir>/goodput.png``). About a minute on one core.
+Prints the tables; with --workdir also writes ``goodput.md`` and
+``goodput.json`` there, and the figure (goodput against chips, and against
+chips per learner) to --figure (default ``<workdir>/goodput.png``; skipped,
+with one line, when matplotlib is not installed or neither flag is given).
+A few minutes on one core (the measured timelines take most of it).
 """
 
 import dataclasses
@@ -42,7 +56,8 @@ from absl import app, flags
 from experiments import _runs
 from loc_opt.parallel import goodput
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Where results go.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Where results go (none: '
+                                'print only).')
 _FIGURE = flags.DEFINE_string('figure', None,
                               'Figure path (default <workdir>/goodput.png).')
 _CHIPS = flags.DEFINE_list('chips', ['150000', '300000', '600000', '1200000',
@@ -72,7 +87,15 @@ _SYNC_EVERY = flags.DEFINE_integer('sync_every', 24, 'Synchronous DiLoCo H.')
 _SYNC = flags.DEFINE_float('sync_s', 0.0, 'Blocking sync time (s).')
 _OVERLAP = flags.DEFINE_enum('overlap', 'fold', ['fold', 'extend'],
                              'Events during a pause: fold or extend.')
-flags.mark_flag_as_required('workdir')
+_MEASURE = flags.DEFINE_bool('measure', True, 'Also measure goodput on the '
+                             'Decoupled DiLoCo driver\'s timeline.')
+_TIMELINE_STEPS = flags.DEFINE_integer('timeline_steps', 20_000, 'Ticks '
+                                       '(steps) per measured timeline.')
+_TIMELINE_H = flags.DEFINE_integer('timeline_sync_every', 24, 'Measured: H.')
+_TIMELINE_P = flags.DEFINE_integer('timeline_fragments', 24, 'Measured: P.')
+_TIMELINE_K = flags.DEFINE_integer('timeline_quorum', 1, 'Measured: K.')
+_TIMELINE_GRACE = flags.DEFINE_float('timeline_grace', 0.2, 'Measured: the '
+                                     'grace factor gamma.')
 
 # Table 1 of the paper, goodput (%) at 150k/300k/600k/1.2M/2.4M chips, 1-year
 # per-chip MTBI; 2nd-hand (a digest), not checked against the paper itself.
@@ -169,6 +192,51 @@ def simulate_table(a, chips, learners, horizon, seed):
   return table
 
 
+def measure_table(a, chips, learners, seed):
+  """``{M: [TimelineGoodput per chip count]}``: goodput measured on the
+  Decoupled DiLoCo driver's timeline under the chaos model."""
+  return {m: [goodput.simulate_timeline(
+      n, m, a, num_steps=_TIMELINE_STEPS.value,
+      sync_every=_TIMELINE_H.value, num_fragments=_TIMELINE_P.value,
+      quorum=min(_TIMELINE_K.value, m), grace=_TIMELINE_GRACE.value,
+      seed=seed) for n in chips] for m in learners}
+
+
+def measured_markdown(measured, table, chips) -> list[str]:
+  """The measured goodput beside the renewal model's upper bound, and where
+  the time went."""
+  head = ' | '.join(_chip_label(n) for n in chips)
+  lines = [('**Decoupled DiLoCo measured on its driver\'s timeline** '
+            '(goodput %, measured / renewal-model upper bound; '
+            f'{_TIMELINE_STEPS.value} steps of a chaos failure trace per '
+            f'cell, H = {_TIMELINE_H.value}, P = {_TIMELINE_P.value}, '
+            f'K = {_TIMELINE_K.value}, grace {_TIMELINE_GRACE.value:g}):'),
+           '', f'| M | {head} |', '|---|' + '---:|' * len(chips)]
+  for m, cells in measured.items():
+    bound = table.get(f'decoupled/{m}')
+    row = [f'{100 * g.goodput:.0f}' + (
+        f' / {100 * bound[i].goodput:.0f}' if bound else '')
+           for i, g in enumerate(cells)]
+    lines.append(f'| {m} | ' + ' | '.join(row) + ' |')
+  lines += ['', ('**Where the learner time went** (% of allocated, '
+                 'measured): useful, overwritten by an arriving fragment '
+                 '(not admitted, or stepped between a merge and its '
+                 'arrival), lost at a rejoin, down, idle; merges, skipped '
+                 'rounds, learners per merge, ticks from a round\'s opening '
+                 'to its merge deadline:'), '',
+            ('| M | N | useful | overwritten | lost at rejoin | down | idle | '
+             'merges | skipped | per merge | wait |'),
+            '|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+  for m, cells in measured.items():
+    for n, g in zip(chips, cells):
+      lines.append(
+          f'| {m} | {_chip_label(n)} | {100 * g.goodput:.1f} | '
+          f'{100 * g.discarded:.1f} | {100 * g.lost_rejoin:.1f} | '
+          f'{100 * g.down:.1f} | {100 * g.idle:.1f} | {g.merges} | '
+          f'{g.skipped} | {g.mean_admitted:.2f} | {g.mean_wait:.2f} |')
+  return lines
+
+
 def rule_of_thumb(table, chips, learners, a, horizon, seed):
   """Per (M, N): Decoupled's goodput and elastic DP's on N / M chips, ours
   (simulated) and the paper's (where N / M is one of its columns)."""
@@ -220,14 +288,18 @@ def _max_abs(diffs, rows):
   return max(values) if values else None
 
 
-def markdown(table, chips, a, fitted, info, diffs, thumb, command) -> str:
+def markdown(table, chips, a, fitted, info, diffs, thumb, command,
+             measured=None) -> str:
   """The report: our table, the paper's, differences, rule of thumb."""
   title = (f'Goodput (%) under chip failures, per-chip MTBI '
            f'{a.mtbi_s / goodput.YEAR_S:g} year(s), {_HORIZON.value:g} '
            f'simulated days per cell, seed {_SEED.value}.')
   lines = [title, '', f'Command: `{command}`', '']
   lines += _grid(table, chips, lambda r, i, n: 100 * table[r][i].goodput,
-                 '**Ours** (goodput %):') + ['']
+                 '**Ours** (goodput %; the Decoupled DiLoCo rows are a '
+                 'renewal model, an upper bound):') + ['']
+  if measured:
+    lines += measured_markdown(measured, table, chips) + ['']
   lines += _grid(PAPER, chips, lambda r, i, n: _paper(r, n),
                  '**Paper, Table 1** (2nd-hand, digest):') + ['']
   lines += _grid(diffs, chips, lambda r, i, n: diffs[r][i],
@@ -275,8 +347,13 @@ def _chip_label(n: int) -> str:
 
 def plot(table, chips, learners, a, horizon, seed, path):
   """Goodput against chips, and against chips per learner; one color per M
-  (Decoupled solid, synchronous DiLoCo dotted, the paper's circles)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  (Decoupled solid, synchronous DiLoCo dotted, the paper's circles).
+  Skipped, with one line, without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print(f'matplotlib is not installed: figure {path} skipped')
+    return
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -347,11 +424,19 @@ def main(argv):
   table = simulate_table(a, chips, learners, horizon, seed)
   diffs = _differences(table, chips)
   thumb = rule_of_thumb(table, chips, learners, a, horizon, seed)
-  text = markdown(table, chips, a, _FIT.value, info, diffs, thumb, command)
+  measured = measure_table(a, chips, learners, seed) if _MEASURE.value \
+      else None
+  text = markdown(table, chips, a, _FIT.value, info, diffs, thumb, command,
+                  measured)
+  figure = _FIGURE.value or (_WORKDIR.value and
+                             pathlib.Path(_WORKDIR.value) / 'goodput.png')
+  if figure:
+    plot(table, chips, learners, a, horizon, seed, figure)
+  if not _WORKDIR.value:
+    print(text)
+    print(f'{time.time() - start:.0f} s (no --workdir: nothing written)')
+    return
   workdir = pathlib.Path(_WORKDIR.value)
-  workdir.mkdir(parents=True, exist_ok=True)
-  plot(table, chips, learners, a, horizon, seed,
-       _FIGURE.value or workdir / 'goodput.png')
   results = {
       'command': command, 'chips': chips, 'learners': learners,
       'horizon_s': horizon, 'seed': seed, 'fitted': _FIT.value,
@@ -359,6 +444,14 @@ def main(argv):
       'paper_table_1_second_hand': {'chips': PAPER_CHIPS, **PAPER},
       'ours': {row: [r._asdict() for r in rs] for row, rs in table.items()},
       'ours_minus_paper_points': diffs, 'rule_of_thumb': thumb,
+      'measured': None if measured is None else {
+          'timeline': {'num_steps': _TIMELINE_STEPS.value,
+                       'sync_every': _TIMELINE_H.value,
+                       'num_fragments': _TIMELINE_P.value,
+                       'quorum': _TIMELINE_K.value,
+                       'grace': _TIMELINE_GRACE.value},
+          **{f'decoupled/{m}': [dataclasses.asdict(g) for g in cells]
+             for m, cells in measured.items()}},
       'seconds': time.time() - start}
   _runs.write(workdir, 'goodput', text, results)
   print(f'{time.time() - start:.0f} s')

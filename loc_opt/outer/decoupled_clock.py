@@ -461,3 +461,102 @@ def _warn_if_stalled(rounds, alive, num_steps, sync_every, stride, p_count):
         f'{num_steps} ticks (every round skipped): their global copies never '
         'move. Lower quorum, or check the learners\' speeds against '
         'sync_every.', RuntimeWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineGoodput:
+  """Where a timeline's learner time went (fractions of ``M x T`` ticks).
+
+  Learners are equal in size, so learner-ticks are chip-time. Every step of
+  learner ``m`` costs ``1 / speeds[m]`` ticks and counts ``1 / P`` towards
+  each fragment.
+
+  Attributes:
+    goodput: ``useful``: work that reached the global model (the steps a
+      learner took on a fragment, up to the merge that admitted it).
+    discarded: steps overwritten when a merged fragment arrived: a learner
+      not admitted to that merge, or steps taken between a merge and its
+      arrival.
+    lost_rejoin: steps a failed learner had not had merged before it
+      rejoined from the global fragments.
+    in_flight: steps not yet merged when the timeline ends.
+    down: time learners were down.
+    idle: time live learners were not stepping (a rejoin tick, a step in
+      progress lost to a failure).
+    merges: rounds merged.
+    skipped: rounds skipped.
+    mean_admitted: learners per merge.
+    mean_wait: ticks from a round's opening to its deadline (quorum wait
+      plus grace), mean over merged rounds.
+  """
+
+  goodput: float
+  discarded: float
+  lost_rejoin: float
+  in_flight: float
+  down: float
+  idle: float
+  merges: int
+  skipped: int
+  mean_admitted: float
+  mean_wait: float
+
+
+def timeline_goodput(timeline: Timeline,
+                     speeds: Sequence[float] | None = None
+                     ) -> TimelineGoodput:
+  """Goodput measured on a timeline, with the numerics of
+  :func:`loc_opt.outer.decoupled_diloco` (``alpha = 0``: a received fragment
+  overwrites the local copy).
+
+  Per tick, as the transform runs it: a learner's step adds to its pending
+  work on every fragment; a merge of fragment ``p`` makes the pending work
+  on ``p`` of the admitted learners useful; a received fragment discards
+  the work pending on it; a rejoin discards all of it.
+
+  Args:
+    timeline: from :func:`decoupled_timeline`.
+    speeds: the learners' speeds given to it (default all 1).
+
+  Returns:
+    A :class:`TimelineGoodput`.
+  """
+  t_count, m = timeline.active.shape
+  p_count = timeline.receive.shape[2]
+  speeds = np.ones(m) if speeds is None else np.asarray(speeds, float)
+  if speeds.shape != (m,) or not np.all(speeds > 0):
+    raise ValueError(f'speeds must be {m} positive values, got '
+                     f'{tuple(speeds)}')
+  step = 1. / speeds
+  pending = np.zeros((m, p_count))
+  useful = discarded = lost = 0.
+  merges_at = timeline.merge
+  for k in range(t_count):
+    act = timeline.active[k]
+    if act.any():
+      pending[act] += (step[act] / p_count)[:, None]
+    p = int(merges_at[k])
+    if p >= 0:
+      adm = timeline.admitted[k]
+      useful += pending[adm, p].sum()
+      pending[adm, p] = 0.
+    rec = timeline.receive[k]
+    if rec.any():
+      discarded += pending[rec].sum()
+      pending[rec] = 0.
+    rej = timeline.rejoin[k]
+    if rej.any():
+      lost += pending[rej].sum()
+      pending[rej] = 0.
+  total = float(t_count * m)
+  busy = float((timeline.active * step).sum())
+  alive = float(timeline.alive.sum())
+  waits = [r.deadline - r.opened for r in timeline.rounds]
+  admitted = [len(r.admitted) for r in timeline.rounds]
+  return TimelineGoodput(
+      goodput=float(useful) / total, discarded=float(discarded) / total,
+      lost_rejoin=float(lost) / total, in_flight=float(pending.sum()) / total,
+      down=1. - alive / total, idle=max(0., alive - busy) / total,
+      merges=len(timeline.rounds), skipped=timeline.skipped,
+      mean_admitted=float(np.mean(admitted)) if admitted else 0.,
+      mean_wait=float(np.mean(waits)) if waits else 0.)

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from loc_opt import outer
 from loc_opt.parallel import goodput
 
 HOUR = 3600.0
@@ -150,3 +151,72 @@ def test_bad_arguments_name_the_field(kwargs, match):
 def test_bad_assumptions_name_the_field(field, value):
   with pytest.raises(ValueError, match=field):
     goodput.Assumptions(**{field: value})
+
+
+# ------------------------------------------- measured on the timeline ---
+def test_timeline_goodput_accounts_for_every_learner_tick():
+  trace = outer.chaos_failures(3, 600, mtbf=80., downtime=10., seed=1)
+  t = outer.decoupled_timeline(600, num_learners=3, sync_every=6,
+                               num_fragments=3, quorum=1, grace=.2,
+                               failures=trace)
+  g = outer.timeline_goodput(t)
+  busy = t.active.mean()
+  assert g.goodput + g.discarded + g.lost_rejoin + g.in_flight == \
+      pytest.approx(busy)
+  assert busy + g.idle + g.down == pytest.approx(1.)
+  assert g.lost_rejoin > 0 and g.down > 0 and g.merges == len(t.rounds)
+
+
+def test_timeline_goodput_without_failures_loses_the_overlap_step():
+  # Every fragment merges on the tick its window opens and arrives one
+  # tick later (sync_steps = 1): that tick's step on the fragment is
+  # overwritten (alpha = 0), 1 of every H steps; nothing else is lost.
+  t = outer.decoupled_timeline(400, num_learners=2, sync_every=4,
+                               num_fragments=4, grace=0.)
+  g = outer.timeline_goodput(t)
+  assert g.down == 0 and g.lost_rejoin == 0 and g.skipped == 0
+  assert g.discarded == pytest.approx(1 / 4, abs=0.01)
+  assert g.goodput == pytest.approx(3 / 4, abs=0.01)
+  # a learner never admitted (too slow to report before the deadline)
+  # has all its work overwritten
+  slow = outer.timeline_goodput(outer.decoupled_timeline(
+      400, num_learners=2, sync_every=4, num_fragments=4, grace=0.,
+      speeds=(1., .5)))
+  assert slow.goodput < g.goodput and slow.mean_admitted < 2
+
+
+@pytest.mark.parametrize('num_learners', [2, 8])
+def test_measured_goodput_is_below_the_renewal_upper_bound(num_learners):
+  a = goodput.Assumptions(downscale_s=10., upscale_s=10.)
+  bound = goodput.simulate('decoupled', 1_200_000, num_learners, a).goodput
+  got = goodput.simulate_timeline(1_200_000, num_learners, a,
+                                  num_steps=4000, sync_every=8,
+                                  num_fragments=8)
+  # merges overwrite some work and rejoins lose some: the renewal model,
+  # which counts every live step, is above by more than its noise
+  assert got.goodput < bound - 0.02, (got, bound)
+  assert got.discarded + got.lost_rejoin > 0.02
+  assert abs(got.down - (1 - bound)) < 0.03  # the same failure rate
+
+
+def test_goodput_experiment_prints_without_a_workdir_or_matplotlib(
+    capsys, tmp_path):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from experiments import goodput as experiment
+  figure = tmp_path / 'goodput.png'
+  argv = ['goodput', '--chips=150000,300000', '--learners=1,4', '--nofit',
+          '--horizon_days=1', '--timeline_steps=500', f'--figure={figure}']
+  flags.FLAGS(argv)
+  try:
+    experiment.main(argv)
+  finally:
+    flags.FLAGS.unparse_flags()
+  out = capsys.readouterr().out
+  assert 'measured on its driver\'s timeline' in out
+  assert '| 4 | 150k |' in out and 'nothing written' in out
+  assert not list(tmp_path.glob('*.md'))
+  try:
+    import matplotlib  # noqa: F401
+    assert figure.exists()
+  except ImportError:
+    assert f'matplotlib is not installed: figure {figure} skipped' in out
