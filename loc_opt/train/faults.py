@@ -13,9 +13,19 @@ in the train state (``state['faults']``: ``bad_steps``, the total per worker, an
 ``bad_streak``, the current run of consecutive bad steps) and reported in
 the metrics (``faults/bad_steps``).
 
-After ``faults.max_bad_steps`` consecutive bad steps on any worker the run
-stops with a :class:`NonFiniteError` (checked at every logging step), and a
-checkpoint is never written with non-finite parameters.
+The run stops with a :class:`NonFiniteError` (checked at every logging
+step, :class:`Bound`) when, with ``K = faults.max_bad_steps`` (0: never):
+
+- a worker has had ``K`` bad steps in a row; or
+- a worker was bad on more than half of its steps over the last ``2 K``
+  steps or more (from the newest logging step at least ``2 K`` steps back).
+
+The second rule holds whatever the sync period: a sync resets a worker that
+went bad to the (finite) anchor, so with frequent syncs its runs of bad
+steps stay shorter than ``K`` while nearly all its steps are bad (a
+learning rate of 1e30 with ``outer.sync_every=10``: 9 bad steps of 10). A
+checkpoint is never written with a non-finite leaf anywhere in the state
+(``loc_opt.train.checkpoint``).
 
 At a sync, a worker whose pseudo-gradient is not finite is left out of the
 average (the methods that support it, ``Method.left_out``: DiLoCo, local
@@ -54,7 +64,8 @@ from loc_opt.train import hosts
 
 
 class NonFiniteError(RuntimeError):
-  """Too many consecutive non-finite steps, or non-finite parameters."""
+  """Training went non-finite (:class:`Bound`), or a state to save has a
+  non-finite leaf."""
 
 
 def _ints(value: Any, name: str) -> tuple[int, ...]:
@@ -254,6 +265,50 @@ def check(state: dict[str, Any], step: int, max_bad_steps: int) -> int:
         f'up to step {step} (faults.max_bad_steps={max_bad_steps}); the run '
         'stops, its last checkpoint holds finite parameters')
   return int(np.sum(counters['bad_steps']))
+
+
+class Bound:
+  """The rule that stops a run whose training went non-finite (see the
+  module doc): ``K = max_bad_steps`` bad steps in a row on a worker, or
+  more than half of a worker's steps bad over the last ``2 K`` steps or
+  more. :meth:`check` reads the counters of the train state at a logging
+  step; the first window starts at the run's (or resume's) first step.
+  """
+
+  def __init__(self, max_bad_steps: int, step: int, state: dict[str, Any]):
+    self.limit = max_bad_steps
+    self.window = 2 * max_bad_steps
+    self._history = [(step, self._totals(state))]
+
+  @staticmethod
+  def _totals(state) -> np.ndarray:
+    return np.asarray(hosts.fetch(state['faults']['bad_steps']),
+                      np.int64).reshape(-1)
+
+  def check(self, state: dict[str, Any], step: int) -> int:
+    """The total of bad steps so far, after the run's ``step`` steps;
+    raises :class:`NonFiniteError` when the rule is met."""
+    total = check(state, step, self.limit)  # the consecutive rule
+    if not self.limit:
+      return total
+    totals = self._totals(state)
+    history = self._history
+    # The newest entry at least `window` steps back starts the window.
+    while len(history) > 1 and history[1][0] <= step - self.window:
+      history.pop(0)
+    start, before = history[0]
+    if step - start >= self.window:
+      bad = totals - before
+      worst = int(np.argmax(bad))
+      if 2 * int(bad[worst]) > step - start:
+        raise NonFiniteError(
+            f'worker {worst} had non-finite loss or gradients on '
+            f'{int(bad[worst])} of the {step - start} steps up to step '
+            f'{step} (more than half over at least 2 x faults.max_bad_steps'
+            f' = {self.window} steps; {int(np.sum(bad))} bad worker-steps '
+            'in all); the run stops, its last checkpoint is finite')
+    history.append((step, totals))
+    return total
 
 
 def check_params(params: Any, step: int) -> None:

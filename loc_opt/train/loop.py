@@ -186,12 +186,12 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
   programs = exp.programs
   position = int(hosts.fetch(state['data_position']))
   halt_after = config.halt_after_steps
-  max_bad = faults.settings(config)['max_bad_steps']
+  bound = faults.Bound(faults.settings(config)['max_bad_steps'],
+                       counters.step, state)
   start = counters.step
   while counters.step < config.num_steps:
     if preempt.reached(counters.step):
-      faults.check_params(state['params'], counters.step)
-      ckpt.save(counters.step, state, config_json)
+      ckpt.save(counters.step, state, config_json)  # checks it is finite
       break
     if halt_after and counters.step - start >= halt_after:
       break
@@ -212,12 +212,11 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
       logger.clocks.advance(phase)
     log_now, eval_now = logger.due(counters.step)
     if log_now or eval_now:
-      counters.bad_steps = faults.check(state, counters.step, max_bad)
+      counters.bad_steps = bound.check(state, counters.step)
       counters.left_out = _left_out(exp, state)
       logger.log(counters, state, loss_arr, step_bytes, eval_now)
     if ckpt.should_save(counters.step, config.num_steps):
-      faults.check_params(state['params'], counters.step)
-      ckpt.save(counters.step, state, config_json)
+      ckpt.save(counters.step, state, config_json)  # checks it is finite
     if log_now or eval_now:
       logger.restart_clock(counters.step)
   return state
