@@ -174,7 +174,8 @@ def compressed_all_reduce(
 
 def compressed_mean(tree: Any, scheme: Scheme, axis_name: str, *,
                     key: jax.Array | None = None,
-                    spread_over=comm_lib.INNER_AXES) -> Any:
+                    spread_over=comm_lib.INNER_AXES,
+                    bucket_size: int | None = None) -> Any:
   """One stateless mean of ``tree`` over ``axis_name`` through ``scheme``.
 
   For schemes with state (error feedback, PowerSGD warm starts) use
@@ -188,12 +189,14 @@ def compressed_mean(tree: Any, scheme: Scheme, axis_name: str, *,
     axis_name: the worker axis.
     key: PRNG key identical on all workers (default: ``key(0)``).
     spread_over: within-worker mesh axes to spread payloads over.
+    bucket_size: fp32 (``None`` scheme): the most elements packed into one
+      flat buffer (see ``Comm.pmean_buckets``); ``None``: the default.
 
   Returns:
     The mean, same structure, shapes and dtypes, identical on all workers.
   """
   compressor = registry.as_compressor(scheme)
-  comm = comm_lib.Comm(axis_name, spread_over)
+  comm = comm_lib.Comm(axis_name, spread_over, bucket_size)
   key = jax.random.key(0) if key is None else key
   mean, _, _ = compressor.mean(tree, compressor.init(tree), comm, key)
   return jax.tree.map(lambda m, x: m.astype(jnp.result_type(x)), mean, tree)

@@ -27,6 +27,10 @@ from loc_opt import _checks
 # to avoid an import cycle; a test checks they agree).
 INNER_AXES = ('data', 'fsdp', 'tensor')
 
+# Elements of the largest flat buffer an fp32 mean packs leaves into
+# (``Comm.bucket_size``): 4M elements, 16 MiB in fp32, whole on a device.
+BUCKET_SIZE = 2**22
+
 
 def pad_to(flat: jax.Array, multiple: int) -> jax.Array:
   """Zero-pads a 1-D array to a multiple of ``multiple``."""
@@ -42,10 +46,22 @@ class Comm:
       ``shard_map`` mesh axis).
     spread_over: the within-worker mesh axes to spread values over; those
       absent from the current mesh (or of size 1) are ignored.
+    bucket_size: the most elements :meth:`pmean_buckets` packs into one
+      flat buffer (leaves at least this large are averaged on their own);
+      a positive int, or ``None`` for the module's ``BUCKET_SIZE``.
   """
 
   axis_name: str = 'worker'
   spread_over: Sequence[str] = INNER_AXES
+  bucket_size: int | None = None
+
+  def __post_init__(self):
+    if self.bucket_size is not None:
+      _checks.positive_int(self.bucket_size, 'bucket_size')
+
+  def bucket(self) -> int:
+    """``bucket_size``, or ``BUCKET_SIZE`` where it is ``None``."""
+    return BUCKET_SIZE if self.bucket_size is None else self.bucket_size
 
   @property
   def bound_axis(self) -> str:
@@ -166,6 +182,67 @@ class Comm:
     return jax.tree.map(
         lambda x: self._spread_leaf(
             x, lambda v: jax.lax.pmean(v, self.bound_axis)), tree)
+
+  def _split_inside(self) -> bool:
+    """Whether the worker's devices split its parameters (``fsdp`` or
+    ``tensor`` > 1) and not the batch too (``data`` is 1 or absent): then a
+    parameter-shaped leaf that FSDP / tensor parallelism splits over every
+    device of the worker sends each element across workers once when it
+    is reduced as it is, in its own shape and sharding."""
+    axes = self.inner_axes()
+    return bool(axes) and 'data' not in axes and \
+        not self._replicated_inside()
+
+  def pmean_buckets(self, tree: Any) -> Any:
+    """:meth:`pmean` of a tree of float leaves, bounded in memory.
+
+    Where the worker's devices split the parameters
+    (:meth:`_split_inside`: FSDP and / or tensor parallelism, no data
+    parallelism inside the worker), each leaf of at least ``bucket_size``
+    elements (:meth:`bucket`) is averaged as it is, in its own shape: XLA's partitioner
+    keeps its sharding (the parameters' own), each device all-reduces its
+    own block across workers, and nothing is flattened, gathered inside the
+    worker or held whole on a device. Such a leaf is assumed split over
+    every device of the worker (as FSDP splits the parameters); one left
+    whole on every device would be sent by each of them. The other leaves
+    (and, elsewhere, every leaf) are packed in order into flat buffers of
+    at most ``bucket_size`` elements (a larger leaf alone), each averaged
+    by :meth:`pmean`: spread over the worker's devices, each element sent
+    once. A mean is element-wise, so the values are those of :meth:`pmean`
+    of the whole tree, bit for bit.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [None] * len(leaves)
+    # A subclass with its own mean (GroupComm's, over groups of workers)
+    # averages every leaf through it.
+    in_place = (type(self).pmean is Comm.pmean) and self._split_inside()
+    size = self.bucket()
+    buckets, current, filled = [], [], 0
+    for i, x in enumerate(leaves):
+      n = math.prod(jnp.shape(x))
+      if in_place and n >= size:
+        out[i] = self._reduce_in_place(x)
+        continue
+      if current and filled + n > size:
+        buckets.append(current)
+        current, filled = [], 0
+      current.append(i)
+      filled += n
+    if current:
+      buckets.append(current)
+    for bucket in buckets:
+      parts = [leaves[i] for i in bucket]
+      flat = (parts[0].reshape(-1) if len(parts) == 1 else
+              jnp.concatenate([jnp.ravel(x) for x in parts]))
+      mean, start = self.pmean(flat), 0
+      for i, x in zip(bucket, parts):
+        out[i] = mean[start:start + x.size].reshape(x.shape)
+        start += x.size
+    return treedef.unflatten(out)
+
+  def _reduce_in_place(self, x: jax.Array) -> jax.Array:
+    """The mean of ``x`` over workers in its own shape and sharding."""
+    return jax.lax.pmean(x, self.bound_axis)
 
   def psum(self, tree: Any) -> Any:
     """Sum over workers; each element crosses workers once per worker."""

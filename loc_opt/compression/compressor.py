@@ -227,10 +227,19 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
                workers: int | None = None) -> Compressor:
   """The mean over workers of a tree sent through ``codec``.
 
-  All leaves are flattened into one float32 buffer (as gradient buckets do),
+  The identity codec (fp32 values; ``exact`` and ``linear``) is an
+  element-wise mean and needs no flat buffer: the tree goes to
+  :meth:`~loc_opt.compression.Comm.pmean_buckets`, which under FSDP or
+  tensor parallelism averages every large leaf in its own shape and
+  sharding (no copy of the whole tree, nor of a whole leaf, on a device)
+  and the small leaves in flat buckets of at most ``comm.bucket_size``
+  elements.
+
+  Other codecs: all leaves are flattened into one float32 buffer (as
+  gradient buckets do),
   padded to whole blocks on each of the worker's devices, spread over those
   devices and encoded there, so padding costs at most a few blocks for the
-  whole tree. Linear codecs (the identity, random-k with a shared mask)
+  whole tree. Linear codecs (random-k with a shared mask)
   average the payloads with an all-reduce and decode once. The others:
 
   * ``reduce='gather'``: all-gather the packed payloads; every worker decodes
@@ -267,10 +276,17 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   def decode_all(payloads, n, key):
     return jax.vmap(lambda p: codec.decode(p, n, key))(payloads)
 
+  elementwise = codec.exact and codec.linear
+
   def mean(tree, state, comm, key):
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
       return tree, tree, state
+    if elementwise:  # fp32: no buffer of the whole tree (see above)
+      # An exact codec decodes what it encodes: the fp32 values themselves.
+      own = [jnp.asarray(x, jnp.float32) for x in leaves]
+      return (treedef.unflatten(comm.pmean_buckets(own)),
+              treedef.unflatten(own), state)
     sizes = [int(jnp.size(x)) for x in leaves]
     flat = jnp.concatenate(
         [jnp.ravel(x).astype(jnp.float32) for x in leaves])

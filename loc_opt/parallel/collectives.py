@@ -22,15 +22,22 @@ def worker_mean(
     *,
     spread_over: Sequence[str] = mesh_lib.INNER_AXES,
     codec: compression.Codec | None = None,
+    bucket_size: int | None = None,
 ) -> Callable[[Any], Any]:
   """A mean over ``axis_name`` that moves each element across workers once.
 
-  For each leaf: flatten, pad to a multiple of the worker's device count,
-  shard over the ``spread_over`` axes present in the current mesh, average
-  over ``axis_name`` (through ``codec`` if given: only its payload crosses
-  workers), unpad and reshape. Cross-worker traffic per worker is
-  then the leaf's size (not size times data-parallel replicas); the gather
-  back happens inside the worker.
+  The fp32 mean (no ``codec``) packs leaves into flat buffers of at most
+  ``bucket_size`` elements, pads each to a multiple of the worker's device
+  count, shards it over the ``spread_over`` axes present in the current
+  mesh, averages it over ``axis_name``, unpads and reshapes. Under FSDP or
+  tensor parallelism (no data parallelism inside the worker) a leaf of at
+  least ``bucket_size`` elements is averaged in its own shape and
+  sharding instead, each device sending its own block: no flat buffer, no
+  copy of the whole leaf or tree on a device
+  (``loc_opt.compression.Comm.pmean_buckets``). With a ``codec`` only its
+  payload crosses workers. Cross-worker traffic per worker is then the
+  tree's size (not size times data-parallel replicas); any gather back
+  happens inside the worker.
 
   Use it inside ``jax.shard_map`` that is manual over ``axis_name`` and
   automatic over ``spread_over`` (``loc_opt.parallel.shard_map_workers``); it
@@ -42,6 +49,8 @@ def worker_mean(
     spread_over: the within-worker axes to spread each leaf over.
     codec: a ``loc_opt.compression`` codec or stateless compressor; ``None``
       sends fp32 values.
+    bucket_size: fp32: the most elements of one flat buffer (``None``: the
+      default, ``loc_opt.compression.comm.BUCKET_SIZE``, 4M).
 
   Returns:
     ``tree -> tree`` computing the mean over workers.
@@ -49,6 +58,7 @@ def worker_mean(
 
   def mean(tree):
     return compression.compressed_mean(tree, codec, axis_name,
-                                       spread_over=tuple(spread_over))
+                                       spread_over=tuple(spread_over),
+                                       bucket_size=bucket_size)
 
   return mean
