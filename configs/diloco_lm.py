@@ -95,6 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'kv': (),  # Features of one head.
       'vocab': ('tensor',),  # Vocabulary (vocabulary-parallel loss).
       'layers': (),  # Stacking axis of scanned blocks.
+      'expert': ('fsdp',),  # MoE experts (expert parallelism in a worker).
   })
   # Blocks as one stacked subtree applied by jax.lax.scan (compile time flat
   # in depth); False keeps layer_0 ... layer_{L-1}, which Streaming DiLoCo's
@@ -116,6 +117,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # scores above the diagonal's blocks: 'auto' (2 in a CPU process on one
   # core, else 1) or a count (loc_opt.models.attention).
   c.model.causal_blocks = 'auto'
+  # Mixture-of-Experts (loc_opt.models.moe, docs/moe.md): num_experts > 0
+  # replaces every block's MLP by experts of width d_ff and a router.
+  c.model.moe = ml_collections.ConfigDict()
+  c.model.moe.num_experts = 0  # Experts per block (0: the dense MLP).
+  c.model.moe.top_k = 1  # Experts per token: 1 (Switch) or 2 (GShard).
+  # Slots per expert and sequence: ceil(factor * seq_len * top_k / experts);
+  # assignments past them are dropped (metrics routing/dropped); <= 0: none.
+  c.model.moe.capacity_factor = 1.25
+  c.model.moe.balance_loss = 0.01  # Load-balancing loss coefficient.
+  c.model.moe.z_loss = 0.001  # Router z-loss coefficient.
+  c.model.moe.shared_expert = False  # Also a dense MLP every token passes.
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

@@ -38,15 +38,21 @@ class Model(NamedTuple):
       within-worker axis names ``'fsdp'`` and ``'tensor'``. Pass it through
       :func:`resolve_specs` for a mesh that lacks one of them.
     num_params: the total number of scalar parameters.
+    apply_aux: ``(params, inputs) -> (outputs, aux)`` for a model with
+      auxiliary outputs (a Mixture-of-Experts LM: ``aux['aux_loss']``, a
+      float32 scalar the training loss adds, and routing statistics); None
+      for a model without them.
   """
 
   init: Callable[[jax.Array], PyTree]
   apply: Callable[[PyTree, jax.Array], jax.Array]
   specs: PyTree
   num_params: int
+  apply_aux: Callable[[PyTree, jax.Array], tuple[jax.Array, Any]] | None = None
 
 
-def from_nnx(make: Callable[[nnx.Rngs], nnx.Module]) -> Model:
+def from_nnx(make: Callable[[nnx.Rngs], nnx.Module],
+             aux_method: str | None = None) -> Model:
   """Wraps a Flax NNX module constructor as a functional :class:`Model`.
 
   The module is built once abstractly (``nnx.eval_shape``, no memory) to read
@@ -64,6 +70,9 @@ def from_nnx(make: Callable[[nnx.Rngs], nnx.Module]) -> Model:
     make: builds the module from an ``nnx.Rngs`` that has a ``params`` stream.
       Every ``nnx.Param`` should carry an ``out_sharding`` annotation
       (``nnx.with_partitioning``); unannotated ones are replicated.
+    aux_method: the name of a method of the module that returns
+      ``(outputs, aux)``; it becomes ``Model.apply_aux`` (None: no
+      ``apply_aux``).
 
   Returns:
     A :class:`Model`.
@@ -90,17 +99,25 @@ def from_nnx(make: Callable[[nnx.Rngs], nnx.Module]) -> Model:
     _, state = nnx.split(build(rng))
     return nnx.to_pure_dict(state)
 
-  def apply(params: PyTree, inputs: jax.Array) -> jax.Array:
+  def merged(params: PyTree) -> nnx.Module:
     if jax.tree.structure(params) != treedef:
       raise ValueError(
           'params do not have the structure of this model; expected '
           f'{treedef}, got {jax.tree.structure(params)}'
       )
     with nnx.use_eager_sharding(False):
-      module = nnx.merge(graphdef, params)
-    return module(inputs)
+      return nnx.merge(graphdef, params)
 
-  return Model(init=init, apply=apply, specs=specs, num_params=num_params)
+  def apply(params: PyTree, inputs: jax.Array) -> jax.Array:
+    return merged(params)(inputs)
+
+  apply_aux = None
+  if aux_method is not None:
+    def apply_aux(params: PyTree, inputs: jax.Array):
+      return getattr(merged(params), aux_method)(inputs)
+
+  return Model(init=init, apply=apply, specs=specs, num_params=num_params,
+               apply_aux=apply_aux)
 
 
 def _keep_axes(entry: Any, names: frozenset[str]) -> Any:

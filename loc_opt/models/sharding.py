@@ -30,6 +30,7 @@ heads       ('tensor',)                    attention heads (Megatron)
 kv          ()                             per-head features
 vocab       ('tensor',)                    vocabulary (vocab-parallel)
 layers      ()                             stacked blocks (``scan_layers``)
+expert      ('fsdp',)                      MoE experts (``model.moe``)
 ==========  =============================  ==================================
 
 Inside the trainer's ``jax.shard_map`` the ``worker`` axis is manual, so
@@ -63,6 +64,7 @@ DEFAULT_RULES: Rules = (
     ('kv', ()),
     ('vocab', ('tensor',)),
     ('layers', ()),
+    ('expert', ('fsdp',)),
 )
 
 

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 
 from loc_opt.models import core
 from loc_opt.models import fused_backward as _fused
+from loc_opt.models import moe as _moe
 from loc_opt.models import sharding
 from loc_opt.models import weight_grad as _weight_grad
 # The attention's functions, importable from here as before.
@@ -155,6 +156,12 @@ class TransformerConfig:
       (default): 2 in a CPU process on one core, else 1
       (:func:`loc_opt.models.attention.resolve_causal_blocks`); a count may
       come as a string (``--config.model.causal_blocks=2``).
+    moe: the Mixture-of-Experts settings (``model.moe``, a mapping of the
+      fields of :class:`loc_opt.models.moe.MoeConfig`, or None): with
+      ``num_experts > 0`` every block's MLP is a :class:`~loc_opt.models.
+      moe.MoeMLP` (experts of width ``d_ff``, sharded over the logical axis
+      ``'expert'``), and the model's ``apply_aux`` gives the auxiliary
+      loss and the routing statistics.
   """
 
   vocab_size: int = 256
@@ -172,8 +179,10 @@ class TransformerConfig:
   weight_grad: str = 'auto'
   backward: str = 'auto'
   causal_blocks: Any = 'auto'
+  moe: Any = None
 
   def __post_init__(self):
+    object.__setattr__(self, 'moe', _moe.as_moe_config(self.moe))
     core.check_positive(
         self,
         ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'd_ff', 'max_len'),
@@ -349,13 +358,21 @@ class Block(nnx.Module):
     self.attn_norm = _rms_norm(config, rngs)
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = _rms_norm(config, rngs)
-    self.mlp = MLP(config, rngs=rngs)
+    if config.moe.enabled:  # returns (y, routing statistics)
+      shared = MLP(config, rngs=rngs) if config.moe.shared_expert else None
+      self.mlp = _moe.MoeMLP(config, rngs=rngs, shared=shared)
+    else:
+      self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array):
+    """The block's output; with MoE, ``(output, routing statistics)``."""
     residual = lambda y: self.config.constrain(y, 'batch', 'length', 'embed')
     norm = lambda layer, x: _norm(self.config, layer, x)
     x = residual(x + self.attn(norm(self.attn_norm, x), sin, cos))
-    return residual(x + self.mlp(norm(self.mlp_norm, x)))
+    if not self.config.moe.enabled:
+      return residual(x + self.mlp(norm(self.mlp_norm, x)))
+    y, stats = self.mlp(norm(self.mlp_norm, x))
+    return residual(x + y), stats
 
 
 def _stack(blocks: list[Block]) -> Block:
@@ -367,26 +384,36 @@ def _stack(blocks: list[Block]) -> Block:
   return nnx.merge(graphdef, stacked)
 
 
-def _call_block(block: Block, x, sin, cos, remat: str) -> jax.Array:
-  """``block(x, sin, cos)``, rematerialized per ``remat``."""
+def _with_stats(out) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """A block's output as ``(x, stats)`` (no statistics: dense)."""
+  return out if isinstance(out, tuple) else (out, {})
+
+
+def _call_block(block: Block, x, sin, cos, remat: str
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """``block(x, sin, cos)`` as ``(x, stats)``, rematerialized per
+  ``remat``."""
   if remat == 'none':
-    return block(x, sin, cos)
+    return _with_stats(block(x, sin, cos))
   graphdef, state = nnx.split(block)
-  run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+  run = lambda state, x: _with_stats(nnx.merge(graphdef, state)(x, sin, cos))
   return jax.checkpoint(run, policy=REMAT[remat])(state, x)
 
 
-def _scan_blocks(layers: Block, x, sin, cos, remat: str) -> jax.Array:
-  """Applies the stacked blocks in order with ``jax.lax.scan``."""
+def _scan_blocks(layers: Block, x, sin, cos, remat: str
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Applies the stacked blocks in order with ``jax.lax.scan``; the
+  statistics come stacked over the blocks."""
   graphdef, state = nnx.split(layers)
 
   def body(x, layer_state):
-    run = lambda state, x: nnx.merge(graphdef, state)(x, sin, cos)
+    run = lambda state, x: _with_stats(nnx.merge(graphdef, state)(x, sin,
+                                                                  cos))
     if remat != 'none':
       run = jax.checkpoint(run, policy=REMAT[remat])
-    return run(layer_state, x), None
+    return run(layer_state, x)
 
-  return jax.lax.scan(body, x, state)[0]
+  return jax.lax.scan(body, x, state)
 
 
 class Transformer(nnx.Module):
@@ -454,6 +481,14 @@ class Transformer(nnx.Module):
     return config.constrain(x, 'batch', 'length', 'embed')
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    return self.forward(tokens)[0]
+
+  def forward(self, tokens: jax.Array
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(logits, aux)``: with MoE, ``aux`` holds ``aux_loss`` (summed
+    over the blocks) and the routing statistics stacked over the blocks
+    (``load`` ``[L, E]``; ``dropped``, ``entropy``, ``balance_loss``,
+    ``z_loss`` ``[L]``); dense: ``{}``."""
     config = self.config
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
@@ -473,15 +508,21 @@ class Transformer(nnx.Module):
     with jax.named_scope('embed'):
       x = self.embed_tokens(tokens)
     if config.scan_layers:
-      x = _scan_blocks(self.layers, x, sin, cos, config.remat)
+      x, stats = _scan_blocks(self.layers, x, sin, cos, config.remat)
     else:
+      per_block = []
       for i in range(config.num_layers):
-        x = _call_block(getattr(self, f'layer_{i}'), x, sin, cos,
-                        config.remat)
+        x, block_stats = _call_block(getattr(self, f'layer_{i}'), x, sin,
+                                     cos, config.remat)
+        per_block.append(block_stats)
+      stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_block)
     x = _norm(config, self.final_norm, x)
     with jax.named_scope('head'):
       logits = self.head(x).astype(jnp.float32)
-    return config.constrain(logits, 'batch', 'length', 'vocab')
+    aux = {}
+    if stats:
+      aux = dict(stats, aux_loss=jnp.sum(stats['aux_loss']))
+    return config.constrain(logits, 'batch', 'length', 'vocab'), aux
 
 
 def build_transformer(config: TransformerConfig) -> core.Model:
@@ -502,7 +543,8 @@ def build_transformer(config: TransformerConfig) -> core.Model:
     >>> model.apply(params, jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 256)
   """
-  model = core.from_nnx(lambda rngs: Transformer(config, rngs=rngs))
+  model = core.from_nnx(lambda rngs: Transformer(config, rngs=rngs),
+                       aux_method='forward' if config.moe.enabled else None)
   specs = dict(model.specs)
   if config.scan_layers:  # the stacking axis leads every block leaf
     specs['layers'] = jax.tree.map(lambda s: jax.P('layers', *s),

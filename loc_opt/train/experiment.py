@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 from typing import Any
 
 import jax
@@ -254,6 +255,25 @@ def _check_init_from(config) -> None:
                      f'{config.num_steps} (the branch must take steps)')
 
 
+def _check_experts(config) -> None:
+  """A Mixture-of-Experts LM's experts split evenly over the mesh axes of
+  the logical axis ``'expert'`` (``model.axis_rules``)."""
+  moe = config.model.get('moe')
+  experts = moe.get('num_experts', 0) if moe is not None else 0
+  if config.model.name != 'transformer' or not experts:
+    return
+  rules = config.model.get('axis_rules')
+  rules = dict(models.sharding.normalize_rules(
+      rules.to_dict() if hasattr(rules, 'to_dict') else rules))
+  axes = [a for a in rules.get('expert', ()) if a in config.mesh]
+  split = math.prod(int(config.mesh[a]) for a in axes)
+  if experts % split:
+    raise ValueError(
+        f'model.moe.num_experts ({experts}) must be a multiple of the '
+        f'devices the experts are split over inside a worker (mesh axes '
+        f'{axes} of the rule for \'expert\': {split})')
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   """Raises ``ValueError`` naming the first bad field of ``config``.
 
@@ -282,6 +302,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int):
   if config.model.name == 'transformer' and \
       config.model.vocab_size < 256:
     raise ValueError('model.vocab_size must be >= 256 for byte-level data')
+  _check_experts(config)
   if config.model.name == 'mlp':
     for field in ('in_dim', 'out_dim'):
       if config.model.get(field, 256) < 256:

@@ -28,6 +28,7 @@ from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import preemption
+from loc_opt.train import routing as routing_lib
 from loc_opt.train import simulated_time
 from loc_opt.train import startup
 
@@ -125,7 +126,8 @@ class _Logger:
     return (step % c.log_every == 0 or last,
             bool(c.eval_every and step % c.eval_every == 0) or last)
 
-  def log(self, counters, state, loss_arr, step_bytes, evaluate) -> None:
+  def log(self, counters, state, loss_arr, step_bytes, evaluate,
+          extra=None) -> None:
     step = counters.step
     self.loss = float(np.mean(hosts.fetch(loss_arr)))
     now = time.perf_counter()
@@ -146,6 +148,7 @@ class _Logger:
     scalars['faults/bad_steps'] = counters.bad_steps
     if self.exp.method.left_out is not None:
       scalars['faults/left_out'] = counters.left_out
+    scalars.update(extra or {})  # routing diagnostics (MoE)
     if evaluate:
       scalars['eval/loss'] = self.exp.evaluate(state, self.eval_batches)
       self.last_eval = scalars['eval/loss']
@@ -179,6 +182,18 @@ def _window(exp, config, counters, phase, start, logger, ckpt
   return phases
 
 
+def _routing(exp, logger, state, batch, phase, step):
+  """A Mixture-of-Experts LM's routing diagnostics
+  (``loc_opt.train.routing``) at the parameters entering the step after
+  ``step - 1`` steps, when that step syncs or is logged; else None."""
+  program = exp.programs.routing
+  if program is None or not (exp.plan.is_sync(phase) or logger.due(step)[0]):
+    return None
+  stats = program(state['params'], batch)  # before the step donates them
+  return routing_lib.routing_scalars(stats, state['params'],
+                                     exp.method.per_worker)
+
+
 def _run_steps(exp, config, state, counters, data, logger, ckpt,
                config_json, preempt):
   """Trains from ``counters.step`` to the end (or ``halt_after_steps``, or
@@ -199,11 +214,14 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     window = _window(exp, config, counters, phase, start, logger, ckpt)
     if window is None:
       batch = exp_lib.train_batch(exp, data, position)
+      routed = _routing(exp, logger, state, batch, phase, counters.step + 1)
       state, loss_arr = programs.steps[phase](state, batch)
       window = (phase,)
     else:  # the sync and the steps that overlap it, one program
       batches = tuple(exp_lib.train_batch(exp, data, position + i)
                       for i in range(len(window)))
+      routed = _routing(exp, logger, state, batches[0], phase,
+                        counters.step + 1)
       state, loss_arr = programs.windows[window](state, batches)
     position += len(window)
     for phase in window:
@@ -214,7 +232,9 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
     if log_now or eval_now:
       counters.bad_steps = bound.check(state, counters.step)
       counters.left_out = _left_out(exp, state)
-      logger.log(counters, state, loss_arr, step_bytes, eval_now)
+      logger.log(counters, state, loss_arr, step_bytes, eval_now, routed)
+    elif routed is not None:  # a sync step between log steps
+      logger.writer.write(counters.step, routed)
     if ckpt.should_save(counters.step, config.num_steps):
       ckpt.save(counters.step, state, config_json)  # checks it is finite
     if log_now or eval_now:

@@ -32,6 +32,7 @@ from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import outer_layout
+from loc_opt.train import routing as routing_lib
 from loc_opt.train import startup
 from loc_opt.train.method import Method
 from loc_opt.train.method import shared_mask
@@ -147,12 +148,15 @@ class Programs:
       (e.g. a WSM merge).
     windows: with ``outer.overlap='compiled'``, the overlapped programs
       (:class:`WindowPrograms`); else None.
+    routing: ``(params, batch) -> routing statistics`` of a
+      Mixture-of-Experts LM (``loc_opt.train.routing``); else None.
   """
   steps: StepPrograms
   eval_fn: Any
   eval_params_fn: Any
   params_loss_fn: Any
   windows: 'WindowPrograms | None' = None
+  routing: Any = None
 
   @property
   def bytes_per_step(self) -> collections.abc.Mapping:
@@ -165,6 +169,18 @@ def loss_fn(model: models.Model, params: Any, batch: jax.Array) -> jax.Array:
   logits = model.apply(params, batch[..., :-1])
   with jax.named_scope('loss'):
     return models.lm_loss(logits, batch[..., 1:])
+
+
+def train_loss_fn(model: models.Model, params: Any, batch: jax.Array
+                  ) -> jax.Array:
+  """The training objective: :func:`loss_fn` plus the model's auxiliary
+  loss where it has one (a Mixture-of-Experts LM's load-balancing and
+  router z-losses); evaluation reports :func:`loss_fn` alone."""
+  if model.apply_aux is None:
+    return loss_fn(model, params, batch)
+  logits, aux = model.apply_aux(params, batch[..., :-1])
+  with jax.named_scope('loss'):
+    return models.lm_loss(logits, batch[..., 1:]) + aux['aux_loss']
 
 
 def batch_sharding(mesh, per_worker: bool) -> jax.NamedSharding:
@@ -227,7 +243,7 @@ def _worker_step(model, tx, fault_cfg, method: Method, absent=None,
                            fault_cfg['nan_param_workers'])
     pin = (lambda tree: tree) if specs is None else (
         lambda tree: _pinned(tree, specs, mesh))
-    loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
+    loss, grads = jax.value_and_grad(functools.partial(train_loss_fn, model))(
         pin(params), batch)
     grads = faults.inject(pin(grads), step, worker, nan_steps, nan_workers)
     with jax.named_scope('non_finite_guard'):
@@ -419,9 +435,13 @@ def build_programs(config: ml_collections.ConfigDict, model: models.Model,
       in_shardings=(shardings,), out_shardings=shardings['params'])
   params_loss_fn = jax.jit(per_worker(functools.partial(loss_fn, model)),
                            in_shardings=(shardings['params'], eval_sharding))
+  routing = routing_lib.routing_program(
+      model, mesh, shardings['params'], eval_sharding, method.per_worker,
+      stacked)
   return Programs(steps=steps, eval_fn=eval_fn,
                   eval_params_fn=eval_params_fn,
-                  params_loss_fn=params_loss_fn, windows=windows)
+                  params_loss_fn=params_loss_fn, windows=windows,
+                  routing=routing)
 
 
 def mean_loss(loss_of_batch, eval_batches, config, per_worker) -> float:
