@@ -142,7 +142,30 @@ def remember(config: ml_collections.ConfigDict, workdir, label: str,
       'provenance': record if record is not None else {
           'unknown': 'the run finished before provenance was recorded'},
       'final_eval_loss': (summary or {}).get('final_eval_loss'),
-      'steps': (summary or {}).get('step')})
+      'steps': (summary or {}).get('step'),
+      'corpus': (summary or {}).get('corpus')})
+
+
+def corpus_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+  """A results file's ``corpus``: the distinct fingerprints
+  (:mod:`loc_opt.data.corpus`) of the text ``runs`` trained on, and the
+  labels of the runs without one (trained before fingerprints were kept,
+  or resumed at their end); without runs, of the text this process read
+  (none: ``reads_text`` False)."""
+  from loc_opt.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  fps: dict[str, dict[str, Any]] = {}
+  unknown = []
+  for r in runs:
+    c = r.get('corpus')
+    if not c or c.get('from_step', 0) >= (r.get('steps') or 1):
+      unknown.append(r['label'])
+      continue
+    fps.setdefault(c['sha256'], {k: v for k, v in c.items()
+                                 if k != 'from_step'})
+  if not runs:
+    fps = {c['sha256']: c for c in corpus_lib.loaded()}
+  return {'fingerprints': list(fps.values()), 'unknown_runs': unknown,
+          'reads_text': bool(fps or unknown)}
 
 
 def curve(workdir: str | os.PathLike) -> dict[str, dict[int, float]]:
@@ -173,7 +196,8 @@ def write(workdir: str | os.PathLike, name: str, markdown: str,
   from) under ``'results'``, and beside them the command line, the
   provenance of this process (:func:`experiments.provenance.collect`), its
   wall time, every run of :data:`RUNS` (full config and the provenance of
-  the process that trained it), and ``info``.
+  the process that trained it), the corpus they read
+  (:func:`corpus_record`), and ``info``.
   """
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
@@ -182,7 +206,8 @@ def write(workdir: str | os.PathLike, name: str, markdown: str,
       'command': _command(),
       'provenance': provenance_lib.collect(),
       'wall_seconds': time.time() - _START,
-      'runs': RUNS, **info, 'results': results}
+      'runs': RUNS, 'corpus': corpus_record(RUNS), **info,
+      'results': results}
   (path / f'{name}.md').write_text(markdown)
   (path / f'{name}.json').write_text(json.dumps(value, indent=2,
                                                 default=str))

@@ -19,6 +19,12 @@ in DIR was written by the code of the current commit (clean tree) is not
 started again (``--force`` starts it anyway, still reusing finished runs).
 A run that finished under other code is read back, not retrained: delete
 its run directory to retrain it (what a change to numerics needs).
+
+Before training it names each chosen benchmark whose committed results
+were made on another corpus than this machine's
+(:func:`experiments.tables.corpus_report`): rerun here, its numbers come
+from other text, unless the configs read a corpus file of the old text
+(``--config.data.corpus_file``, docs/benchmarks.md, "The corpus").
 """
 
 import argparse
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
   if not args.render_only:
     if args.workdir is None:
       parser.error('--workdir is required (or --render_only)')
+    for line in tables.corpus_report(names=names):
+      print(f'corpus: {line}', flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     for name in names:
       try:

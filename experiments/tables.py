@@ -11,6 +11,11 @@ and nothing between the markers is typed by hand: this module rewrites it.
   python -m experiments.tables            # rewrite docs/*.md in place
   python -m experiments.tables --check    # exit 1 naming stale tables
 
+Both also say which results files were made on another corpus than this
+machine's (:func:`corpus_report`: the default text is the running
+Python's standard library, so another Python reads other text), or on a
+corpus nobody recorded; ``--check --strict_corpus`` exits 1 for those too.
+
 ``tests/test_results_tables.py`` runs the check, and also that every table
 in ``docs/`` with numbers in it is either between markers or listed there
 as hand-written with a reason. The benchmark programs print their tables
@@ -108,10 +113,34 @@ def source_line(name: str, data: dict[str, Any]) -> str:
   again = _REGENERATE.get(benchmark, '`python -m experiments.regenerate '
                           f'--workdir=DIR --only={benchmark}`')
   text = (f'Source: [`docs/results/{name}.json`](results/{name}.json), '
-          f'written {p["time_utc"][:10]}; {made}; {_machines(data)}. '
-          f'Regenerate: {again}.')
+          f'written {p["time_utc"][:10]}; {made}; {_machines(data)}'
+          f'{_corpus_phrase(data)}. Regenerate: {again}.')
   return textwrap.fill(text, 79, break_on_hyphens=False,
                        break_long_words=False)
+
+
+def _corpus_phrase(data: dict[str, Any]) -> str:
+  """``'; text: the Python 3.12.1 standard library (sha256 `...`)'``: the
+  corpus the table was made on (what its numbers need to reproduce), or
+  that it is not recorded; empty for results that read no text."""
+  record = data.get('corpus')
+  if record is not None and record.get('reads_text') is False:
+    return ''
+  if record is None or record.get('reads_text') is None:
+    return '; text: not recorded'
+  parts = []
+  for fp in record['fingerprints']:
+    source = {'stdlib': f'the Python {fp.get("python")} standard library',
+              'corpus_file': 'a corpus file' + (
+                  f' of the Python {fp["python"]} standard library'
+                  if fp.get('python') else ''),
+              'source_dirs': 'local files',
+              'tfds': f'TFDS {fp["data"].get("dataset")}'}[fp['source']]
+    parts.append(f'{source} (sha256 `{fp["sha256"][:12]}`)')
+  n = len(record.get('unknown_runs', []))
+  if n:
+    parts.append(f'{n} run{"s" * (n > 1)} on unrecorded text')
+  return '; text: ' + ', '.join(parts)
 
 
 # Results that experiments.regenerate does not make (they need JAX's CUDA
@@ -319,6 +348,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('scale_check', 'main'): _sharding_tables.scale_check_main,
     ('scale_1b', 'main'): _sharding_tables.scale_check_main,
     ('scale_8b', 'main'): _sharding_tables.scale_check_main,
+    ('scale_sync', 'main'): _sharding_tables.scale_sync_main,
     ('outer_state_memory', 'main'):
         _sharding_tables.outer_state_memory_main,
     ('sharded_sync_bytes', 'main'):
@@ -354,6 +384,70 @@ FIGURES: dict[str, tuple[Callable[..., None], str]] = {
 # Figures drawn from what has finished while runs are still pending (the
 # table under them lists what is left).
 DRAW_WHILE_PENDING = frozenset({'claims'})
+
+
+def _local_corpus(data: dict[str, Any], cache: dict[str, Any]) -> Any:
+  """This machine's fingerprint for the data fields ``data``, or the error
+  that kept it from being computed (as a string)."""
+  from loc_opt import data as data_lib  # pylint: disable=g-import-not-at-top
+  key = json.dumps(data, sort_keys=True)
+  if key not in cache:
+    try:
+      cache[key] = data_lib.corpus_fingerprint(data)
+    except (OSError, ValueError) as e:
+      cache[key] = f'{type(e).__name__}: {e}'
+  return cache[key]
+
+
+def corpus_report(results_dir: pathlib.Path = RESULTS,
+                  names: list[str] | None = None) -> list[str]:
+  """A line for each results file whose corpus is not this machine's.
+
+  Each fingerprint in a file's ``corpus`` record (``experiments._runs.
+  corpus_record``) is recomputed here from its data fields (the text is
+  read, nothing is trained) and compared. A file without a record, or with
+  runs whose corpus was never recorded, gets a line saying so.
+
+  Args:
+    results_dir: the folder of results files (subfolders included).
+    names: only these results files (``<name>.json`` in ``results_dir``).
+
+  Returns:
+    ``'<file>: ...'`` lines; none if every corpus matches.
+  """
+  from loc_opt.data import corpus  # pylint: disable=g-import-not-at-top
+  paths = ([results_dir / f'{n}.json' for n in names] if names is not None
+           else sorted(results_dir.rglob('*.json')))
+  cache: dict[str, Any] = {}
+  out = []
+  for path in paths:
+    if not path.exists():
+      continue
+    rel = path.relative_to(results_dir)
+    data = json.loads(path.read_text())
+    record = data.get('corpus') if isinstance(data, dict) else None
+    if record is None:
+      out.append(f'{rel}: no corpus record (written before fingerprints '
+                 'were kept): the text it was made on is unknown')
+      continue
+    if record.get('reads_text') is None:
+      out.append(f'{rel}: corpus unknown ({record.get("note", "")})')
+    if record.get('unknown_runs'):
+      n = len(record['unknown_runs'])
+      out.append(f'{rel}: {n} run{"s" * (n > 1)} on an unrecorded corpus'
+                 + (f' ({record["note"]})' if record.get('note') else ''))
+    for fp in record.get('fingerprints', []):
+      local = _local_corpus(fp['data'], cache)
+      if isinstance(local, str):
+        out.append(f'{rel}: made on {corpus.describe(fp)}, which is not on '
+                   f'this machine ({local})')
+      elif local['sha256'] != fp['sha256']:
+        out.append(f'{rel}: made on {corpus.describe(fp)}; this machine '
+                   f'reads {corpus.describe(local)} with the same data '
+                   'fields, so its numbers may not reproduce here (train '
+                   'on a corpus file of that text: docs/benchmarks.md, '
+                   '"The corpus")')
+  return out
 
 
 def load(name: str, results_dir: pathlib.Path = RESULTS) -> dict[str, Any]:
@@ -454,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
                       help='Only report stale tables; exit 1 if any.')
   parser.add_argument('--figures', action='store_true',
                       help='Also redraw the figures of FIGURES.')
+  parser.add_argument('--strict_corpus', action='store_true',
+                      help='With --check, exit 1 also when a results file '
+                      'was made on another corpus than this machine\'s, or '
+                      'on an unrecorded one.')
   args = parser.parse_args(argv)
   stale = []
   for page in docs_pages():
@@ -479,7 +577,13 @@ def main(argv: list[str] | None = None) -> int:
       print(f'drew {DOCS / rel}')
   verb = 'stale' if args.check else 'rewrote'
   print(f'{verb}: {", ".join(map(str, stale)) or "none"}')
-  return 1 if args.check and stale else 0
+  corpus_lines = corpus_report()
+  for line in corpus_lines:
+    print(f'corpus: {line}')
+  if not corpus_lines:
+    print('corpus: every results file was made on this machine\'s corpus')
+  failed = stale or (args.strict_corpus and corpus_lines)
+  return 1 if args.check and failed else 0
 
 
 if __name__ == '__main__':

@@ -3,9 +3,12 @@
 # and 8M parameters on one GPU (M = 4 with its workers stacked on the GPU,
 # mesh.simulate_workers) (experiments/claims.py, "Part of the study can run
 # elsewhere"). Run from the repository root on a machine with jax[cuda] and
-# the packages of pyproject.toml; the data is the standard library copy in
-# .claims_src/stdlib (the same files this study reads on the CPU machine, so
-# the rows compare), made by `tools/claims_on_gpu.sh --prepare`.
+# the packages of pyproject.toml; the data is the corpus file
+# .claims_src/stdlib.tar (the standard library of this checkout's Python, the
+# text this study reads on the CPU machine, so the rows compare and record
+# the same corpus fingerprint), made by `tools/claims_on_gpu.sh --prepare`
+# (loc_opt.data.export_corpus). The rows of earlier sessions read a copy of
+# a standard library in .claims_src/stdlib whose Python was not recorded.
 #
 #   tools/claims_on_gpu.sh OUT_DIR [SECONDS]
 #
@@ -27,12 +30,8 @@
 # matmuls run at full precision (the GPU default is TF32), as on the CPU.
 set -u
 if [[ "${1:-}" == --prepare ]]; then
-  src=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
-  rm -rf .claims_src && mkdir -p .claims_src/stdlib
-  (cd "$src" && find . \( -name site-packages -o -name __pycache__ \
-    -o -name idle_test -o -name test -o -name tests -o -name .git \) -prune \
-    -o -name '*.py' -print | tar cf - -T -) | tar xf - -C .claims_src/stdlib
-  exit
+  rm -rf .claims_src && mkdir -p .claims_src
+  exec .venv/bin/python -m loc_opt.data.export_corpus .claims_src/stdlib.tar
 fi
 out=${1:?usage: tools/claims_on_gpu.sh OUT_DIR [SECONDS]}
 budget=${2:-540}
@@ -46,7 +45,7 @@ sizes=${SIZES:-2M 8M}
 mkdir -p "$work"
 common=(--num_steps=${STEPS:-600} --cpu_devices=1 --config.mesh.workers=1
         --config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1
-        "--config.data.source_dirs=('.claims_src/stdlib',)")
+        --config.data.corpus_file=.claims_src/stdlib.tar)
 start=$SECONDS
 # "size method flags knob inner": the grid of experiments/claims.py.
 phase1=()

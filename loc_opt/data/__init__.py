@@ -6,12 +6,17 @@
   ``data_dir`` (``lm1b``, ``c4/en``); never downloads.
 * :mod:`pipeline`: deterministic batches, disjoint per worker (IID ranges or
   whole files per worker), whose input position is the step.
-* :mod:`lm_data`: all of the above from an ``ml_collections`` config.
+* :mod:`lm_data`: all of the above from an ``ml_collections`` config, and
+  the fingerprint of the text it reads (:func:`corpus_fingerprint`).
+* :mod:`corpus`: that fingerprint's hash and records (``summary.json``,
+  results files); :mod:`export_corpus`: a corpus in one file, to train on
+  the same text anywhere (``python -m loc_opt.data.export_corpus OUT``).
 """
 
 from loc_opt.data.lm_data import (
   DataStats,
   LMData,
+  corpus_fingerprint,
   get_config,
   load_splits,
   make_lm_data,
@@ -37,6 +42,7 @@ __all__ = [
   'LMData',
   'LocalText',
   'LocalTextConfig',
+  'corpus_fingerprint',
   'eval_batches',
   'get_config',
   'load_documents',

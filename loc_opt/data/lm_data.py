@@ -10,13 +10,14 @@
 """
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+import platform
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
 
-from loc_opt.data import local_text, pipeline, tfds_text
+from loc_opt.data import corpus, local_text, pipeline, tfds_text
 
 LOCAL_TEXT = 'local_text'
 
@@ -31,6 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.data_dir = ''
   # local_text: directories to read; () means the Python standard library.
   config.source_dirs = ()
+  # local_text: a corpus file (python -m loc_opt.data.export_corpus OUT) to
+  # read instead of source_dirs: the same text on any machine and Python.
+  # None (no corpus file) matches the configs saved before the field.
+  config.corpus_file = ml_collections.config_dict.placeholder(str)
   # local_text: pattern of the files to read, relative to each source dir.
   config.glob = local_text.DEFAULT_GLOB
   # local_text: directory names skipped (default: site-packages, caches and
@@ -88,12 +93,14 @@ class LMData:
     eval_documents: the evaluation documents, in a fixed order.
     eval_batch_size: default windows per eval batch.
     stats: sizes, for logs.
+    corpus: the fingerprint of the text (:func:`corpus_fingerprint`).
   """
 
   train: pipeline.LMBatches
   eval_documents: Sequence[np.ndarray]
   eval_batch_size: int
   stats: DataStats
+  corpus: dict | None = None
 
   def eval_batches(
     self, num_batches: int, batch_size: int | None = None,
@@ -119,6 +126,23 @@ class LMData:
     )
 
 
+def local_text_config_of(config) -> local_text.LocalTextConfig:
+  """The :class:`local_text.LocalTextConfig` of a data config (a ConfigDict
+  or a saved dict; ``corpus_file`` may be absent)."""
+  return local_text.local_text_config(
+    tuple(config.get('source_dirs') or ()),
+    glob=config.get('glob', local_text.DEFAULT_GLOB),
+    exclude_dirs=tuple(
+      config.get('exclude_dirs', local_text.DEFAULT_EXCLUDE_DIRS)
+    ),
+    max_bytes=config.get('max_bytes'),
+    validation_percent=config.get(
+      'validation_percent', local_text.DEFAULT_VALIDATION_PERCENT
+    ),
+    corpus_file=config.get('corpus_file') or None,
+  )
+
+
 def load_splits(
   config: ml_collections.ConfigDict,
 ) -> tuple[str, list[np.ndarray], list[np.ndarray]]:
@@ -132,13 +156,7 @@ def load_splits(
   """
   data_dir = config.data_dir or None
   if config.dataset == LOCAL_TEXT:
-    text_config = local_text.local_text_config(
-      tuple(config.source_dirs),
-      glob=config.glob,
-      exclude_dirs=tuple(config.exclude_dirs),
-      max_bytes=config.max_bytes,
-      validation_percent=config.validation_percent,
-    )
+    text_config = local_text_config_of(config)
     builder = local_text.prepare_local_text(text_config, data_dir=data_dir)
     name = f'{builder.name}/{text_config.name}'
     train, evals = (
@@ -157,6 +175,82 @@ def load_splits(
     for split in (config.train_split, config.eval_split)
   )
   return config.dataset, train, evals
+
+
+# The data fields that decide which text a run reads (a results file keeps
+# them in every fingerprint, so the corpus can be recomputed elsewhere).
+CORPUS_FIELDS = ('dataset', 'source_dirs', 'corpus_file', 'glob',
+                 'exclude_dirs', 'max_bytes', 'validation_percent',
+                 'text_key', 'train_split', 'eval_split')
+
+
+def corpus_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The fields of a data config (a ConfigDict or a saved dict) that select
+  the text, JSON-ready; missing ones at their defaults."""
+  default = get_config()
+  out = {}
+  for k in CORPUS_FIELDS:
+    v = config.get(k, default.get(k))
+    out[k] = list(v) if isinstance(v, (tuple, list)) else v
+  out['corpus_file'] = out['corpus_file'] or None
+  return out
+
+
+def _source(fields: Mapping[str, Any]) -> tuple[str, str | None]:
+  """``(source, python)``: where the text comes from and, for the standard
+  library (or a corpus file exported from one), the Python version."""
+  if fields['dataset'] != LOCAL_TEXT:
+    return 'tfds', None
+  if fields['corpus_file']:
+    manifest = local_text.read_manifest(fields['corpus_file'])
+    return 'corpus_file', manifest.get('python')
+  if not fields['source_dirs']:
+    return 'stdlib', platform.python_version()
+  return 'source_dirs', None
+
+
+def corpus_fingerprint(
+  config: Mapping[str, Any],
+  documents: tuple[Sequence[Any], Sequence[Any]] | None = None,
+) -> dict[str, Any]:
+  """The fingerprint of the text a data config selects.
+
+  See :mod:`loc_opt.data.corpus`.
+
+  Args:
+    config: data fields (``get_config()`` or a saved dict).
+    documents: ``(train, eval)`` documents already read for ``config``; if
+      None they are read: local text straight from its files (no TFDS
+      build), a TFDS dataset from its prepared copy.
+
+  Returns:
+    ``{'sha256', 'source', 'python', 'documents', 'bytes', 'data'}``: the
+    hash (:func:`corpus.digest`); ``'stdlib'``, ``'source_dirs'``,
+    ``'corpus_file'`` or ``'tfds'``; the Python version of a
+    standard-library corpus (else None); ``[train, eval]`` document counts
+    and bytes; the selecting fields (:func:`corpus_fields`).
+  """
+  fields = corpus_fields(config)
+  if documents is None and fields['dataset'] == LOCAL_TEXT:
+    splits = local_text.split_documents(local_text_config_of(config))
+    documents = (splits['train'], splits['validation'])
+  elif documents is None:  # a saved dict too: its TFDS fields in a config
+    tfds_config = get_config()
+    for k in ('dataset', 'text_key', 'train_split', 'eval_split'):
+      tfds_config[k] = fields[k]
+    tfds_config.max_bytes = fields['max_bytes']
+    tfds_config.data_dir = config.get('data_dir') or ''
+    documents = load_splits(tfds_config)[1:]
+  train, evals = documents
+  source, python = _source(fields)
+  return {
+    'sha256': corpus.digest(train, evals),
+    'source': source,
+    'python': python,
+    'documents': [len(train), len(evals)],
+    'bytes': [int(sum(map(len, train))), int(sum(map(len, evals)))],
+    'data': fields,
+  }
 
 
 def make_lm_data(
@@ -200,9 +294,12 @@ def make_lm_data(
     worker_bytes=train.worker_bytes,
     worker_documents=tuple(len(d) for d in train.worker_documents),
   )
+  fingerprint = corpus_fingerprint(config, (train_docs, eval_docs))
+  corpus.remember(fingerprint)
   return LMData(
     train=train,
     eval_documents=tuple(eval_docs),
     eval_batch_size=config.eval_batch_size or global_batch,
     stats=stats,
+    corpus=fingerprint,
   )

@@ -8,7 +8,12 @@ file never changes split when other files are added or removed.
 The default source is the Python standard library's own ``*.py`` files
 (``sysconfig.get_paths()['stdlib']``, without ``site-packages`` and the test
 directories): about 11 MB of text that every Python installation has, so the
-default experiment runs offline on a fresh machine.
+default experiment runs offline on a fresh machine. It is the running
+interpreter's, so another Python version trains on other text: a corpus
+file (``python -m loc_opt.data.export_corpus OUT``)
+holds the selected files in one tar archive, under the keys they have here,
+and ``corpus_file=OUT`` reads them back on any machine as the same examples
+in the same splits.
 
 The builder writes and reads ``array_record`` files and needs no TensorFlow.
 The config name carries a fingerprint of the sources (directories, pattern,
@@ -38,6 +43,7 @@ import os
 import pathlib
 import re
 import sysconfig
+import tarfile
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -105,6 +111,10 @@ class LocalTextConfig(tfds.core.BuilderConfig):
       subset), skipping any that would overflow the cap.
     validation_percent: share of the files (by count, chosen by a stable hash
       of the path) that go to the ``validation`` split.
+    corpus_file: if set, a corpus file of :mod:`loc_opt.data.export_corpus`
+      to read
+      instead of ``source_dirs`` (``glob``, ``exclude_dirs`` and
+      ``max_bytes`` select among its files as among a directory's).
   """
 
   source_dirs: tuple[str, ...] = ()
@@ -112,14 +122,16 @@ class LocalTextConfig(tfds.core.BuilderConfig):
   exclude_dirs: tuple[str, ...] = DEFAULT_EXCLUDE_DIRS
   max_bytes: int | None = None
   validation_percent: float = DEFAULT_VALIDATION_PERCENT
+  corpus_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _SourceFile:
-  path: str  # Absolute path.
+  path: str  # Absolute path (of the corpus file, for a member of one).
   key: str  # Relative path, prefixed by the source index if several sources.
   size: int
   mtime_ns: int
+  member: bool = False  # A member ``key`` of the corpus file ``path``.
 
 
 def _stable_unit(text: str) -> float:
@@ -184,6 +196,14 @@ def _list_files(
         stat = os.stat(path)
         key = rel if len(source_dirs) == 1 else f'{index}/{rel}'
         files.append(_SourceFile(path, key, stat.st_size, stat.st_mtime_ns))
+  return _cap(files, max_bytes)
+
+
+def _cap(files: list[_SourceFile], max_bytes: int | None) -> list[_SourceFile]:
+  """At most ``max_bytes`` of ``files`` (taken in the order of a stable hash
+  of the key, skipping any that would overflow), sorted by key. Applied to
+  its own output it keeps every file, so a corpus file exported with a cap
+  and read with the same cap selects the same files."""
   if max_bytes is not None:
     kept, total = [], 0
     for f in sorted(files, key=lambda f: (_stable_unit(f.key), f.key)):
@@ -192,6 +212,89 @@ def _list_files(
         total += f.size
     files = kept
   return sorted(files, key=lambda f: f.key)
+
+
+# The member of a corpus file that describes it (not a document).
+MANIFEST = '.loc_opt_corpus.json'
+
+
+def _open_corpus(corpus_file: str) -> tarfile.TarFile:
+  if not os.path.isfile(corpus_file):
+    raise FileNotFoundError(f'corpus_file: {corpus_file!r} is not a file.')
+  try:
+    return tarfile.open(corpus_file, 'r:*')
+  except tarfile.TarError as e:
+    raise ValueError(
+      f'corpus_file: {corpus_file!r} is not a corpus file (a tar archive of '
+      f'loc_opt.data.export_corpus): {e}'
+    ) from e
+
+
+def _list_corpus(
+  corpus_file: str,
+  glob: str,
+  exclude_dirs: Sequence[str],
+  max_bytes: int | None,
+) -> list[_SourceFile]:
+  """Lists the selected members of a corpus file, sorted by key."""
+  regex = _glob_regex(glob)
+  files = []
+  with _open_corpus(corpus_file) as tar:
+    for info in tar.getmembers():
+      if not info.isfile() or info.name == MANIFEST:
+        continue
+      parts = info.name.split('/')[:-1]
+      if not regex.fullmatch(info.name) or any(
+        fnmatch.fnmatchcase(d, p) for d in parts for p in exclude_dirs
+      ):
+        continue
+      files.append(_SourceFile(corpus_file, info.name, info.size, 0, True))
+  return _cap(files, max_bytes)
+
+
+def read_manifest(corpus_file: str | os.PathLike[str]) -> dict[str, object]:
+  """The description a corpus file carries (its :data:`MANIFEST`)."""
+  with _open_corpus(os.fspath(corpus_file)) as tar:
+    try:
+      member = tar.extractfile(MANIFEST)
+    except KeyError:
+      member = None
+    if member is None:
+      raise ValueError(f'{os.fspath(corpus_file)!r} has no {MANIFEST}: not a '
+                       'corpus file of loc_opt.data.export_corpus.')
+    return json.loads(member.read())
+
+
+def read_files(files: Sequence[_SourceFile]) -> Iterator[bytes]:
+  """The bytes of ``files``, in order (a corpus file is opened once)."""
+  tars: dict[str, tarfile.TarFile] = {}
+  try:
+    for f in files:
+      if not f.member:
+        yield pathlib.Path(f.path).read_bytes()
+        continue
+      if f.path not in tars:
+        tars[f.path] = _open_corpus(f.path)
+      yield tars[f.path].extractfile(f.key).read()
+  finally:
+    for tar in tars.values():
+      tar.close()
+
+
+def selected_files(config: LocalTextConfig) -> list[_SourceFile]:
+  """The files ``config`` selects, sorted by key."""
+  if config.corpus_file:
+    return _list_corpus(config.corpus_file, config.glob, config.exclude_dirs,
+                        config.max_bytes)
+  return _list_files(config.source_dirs, config.glob, config.exclude_dirs,
+                     config.max_bytes)
+
+
+def split_documents(config: LocalTextConfig) -> dict[str, list[bytes]]:
+  """The bytes of every file of each split (``'train'``, ``'validation'``),
+  in path order: the examples the builder stores, read without TFDS."""
+  splits = _split_files(selected_files(config), config.validation_percent)
+  return {name: list(read_files(fs)) for name, fs in splits.items()}
 
 
 def _split_files(
@@ -222,13 +325,15 @@ def local_text_config(
   exclude_dirs: Sequence[str] = DEFAULT_EXCLUDE_DIRS,
   max_bytes: int | None = None,
   validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+  corpus_file: str | os.PathLike[str] | None = None,
 ) -> LocalTextConfig:
   """Returns the config of a local text dataset, named by its fingerprint.
 
   The name is ``'<label>_<fingerprint>'``: the label is ``stdlib`` for the
-  default source, else the first source directory's name; the fingerprint
-  hashes every argument and the path, size and modification time of every
-  selected file. Listing the stdlib takes a few milliseconds.
+  default source, else the first source directory's (or the corpus file's)
+  name; the fingerprint hashes every argument and the path, size and
+  modification time of every selected file (of a corpus file: its bytes).
+  Listing the stdlib takes a few milliseconds.
 
   Args:
     source_dirs: directories to read; empty means the Python standard library
@@ -239,13 +344,17 @@ def local_text_config(
       directories.
     max_bytes: if set, a cap on the total bytes of the selected files.
     validation_percent: percentage of files in the ``validation`` split.
+    corpus_file: a corpus file of :mod:`loc_opt.data.export_corpus` to read
+      instead of directories (``source_dirs`` must then be empty).
 
   Returns:
     A :class:`LocalTextConfig`.
 
   Raises:
-    ValueError: for a bad ``max_bytes`` or ``validation_percent``.
-    FileNotFoundError: if a source directory does not exist.
+    ValueError: for a bad ``max_bytes`` or ``validation_percent``, or both
+      ``source_dirs`` and ``corpus_file``.
+    FileNotFoundError: if a source directory or the corpus file does not
+      exist.
   """
   if max_bytes is not None and max_bytes <= 0:
     raise ValueError(f'max_bytes must be positive or None, got {max_bytes}.')
@@ -253,13 +362,24 @@ def local_text_config(
     raise ValueError(
       f'validation_percent must be in [0, 100), got {validation_percent}.'
     )
-  is_stdlib = not source_dirs
-  dirs = tuple(
-    os.path.abspath(os.path.expanduser(os.fspath(d)))
-    for d in (source_dirs or (stdlib_dir(),))
-  )
   exclude = tuple(exclude_dirs)
-  files = _list_files(dirs, glob, exclude, max_bytes)
+  if corpus_file:
+    if source_dirs:
+      raise ValueError(
+        f'give source_dirs ({tuple(source_dirs)}) or corpus_file '
+        f'({os.fspath(corpus_file)!r}), not both.'
+      )
+    corpus = os.path.abspath(os.path.expanduser(os.fspath(corpus_file)))
+    dirs = ()
+    files = _list_corpus(corpus, glob, exclude, max_bytes)
+  else:
+    corpus = None
+    dirs = tuple(
+      os.path.abspath(os.path.expanduser(os.fspath(d)))
+      for d in (source_dirs or (stdlib_dir(),))
+    )
+    files = _list_files(dirs, glob, exclude, max_bytes)
+  is_stdlib = not source_dirs and not corpus
   settings = {
     'source_dirs': dirs,
     'glob': glob,
@@ -267,10 +387,20 @@ def local_text_config(
     'max_bytes': max_bytes,
     'validation_percent': validation_percent,
   }
+  if corpus:
+    settings['corpus_file'] = corpus
   digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+  if corpus:
+    with open(corpus, 'rb') as f:
+      digest.update(hashlib.file_digest(f, 'sha256').digest())
   for f in files:
     digest.update(f'\0{f.key}\0{f.size}\0{f.mtime_ns}'.encode())
-  label = 'stdlib' if is_stdlib else pathlib.Path(dirs[0]).name
+  if is_stdlib:
+    label = 'stdlib'
+  elif corpus:
+    label = pathlib.Path(corpus).name.split('.')[0]
+  else:
+    label = pathlib.Path(dirs[0]).name
   label = ''.join(c if c.isalnum() else '_' for c in label.lower()) or 'text'
   return LocalTextConfig(
     name=f'{label}_{digest.hexdigest()[:12]}',
@@ -282,6 +412,7 @@ def local_text_config(
     exclude_dirs=exclude,
     max_bytes=max_bytes,
     validation_percent=validation_percent,
+    corpus_file=corpus,
   )
 
 
@@ -336,17 +467,13 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing to download.
     config = self.builder_config
-    files = _list_files(
-      config.source_dirs, config.glob, config.exclude_dirs, config.max_bytes
-    )
-    splits = _split_files(files, config.validation_percent)
+    splits = _split_files(selected_files(config), config.validation_percent)
     return {name: self._generate_examples(fs) for name, fs in splits.items()}
 
   def _generate_examples(
     self, files: Sequence[_SourceFile]
   ) -> Iterator[tuple[str, dict[str, object]]]:
-    for f in files:
-      data = pathlib.Path(f.path).read_bytes()
+    for f, data in zip(files, read_files(files)):
       yield f.key, {'text': np.frombuffer(data, np.uint8), 'path': f.key}
 
 
@@ -413,3 +540,4 @@ def load_local_text(
   builder = prepare_local_text(config, data_dir=data_dir)
   source = builder.as_data_source(split, file_format=_FILE_FORMAT)
   return tfds_text.read_documents(source, text_key='text', max_bytes=max_bytes)
+

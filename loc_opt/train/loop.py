@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from loc_opt import parallel
+from loc_opt.data import corpus as corpus_lib
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import experiment as exp_lib
@@ -326,6 +327,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     ckpt_lib.check_resume(workdir, config_json)
   # The data first: a missing dataset fails before anything compiles.
   data = exp_lib.load_data(config)
+  if ckpt_lib.latest_step(workdir) is not None:  # other text: fail now
+    corpus_lib.check_resume(workdir, data.corpus)
   t0 = time.perf_counter()
   exp = exp_lib.get_experiment(config)
   compile_s = time.perf_counter() - t0
@@ -342,6 +345,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                max_to_keep=config.keep_checkpoints,
                                layout=exp.layout)
   start, state = _start(exp, ckpt, config, config_json, branch, progress)
+  corpus = corpus_lib.track(workdir, data.corpus, start,
+                            write=hosts.is_writer())
   # The sync counters live in the optimizer state (or the plan), so a
   # resumed or branched run continues them exactly; the input position is
   # in the state, so the data order resumes exactly too.
@@ -366,6 +371,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
              'preempted': preempt.preempted}
   if counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
+    summary['corpus'] = corpus  # loc_opt.data.corpus.track's record
     if hosts.is_writer():
       _write_json(workdir / 'summary.json', summary)
   summary['state'] = state
