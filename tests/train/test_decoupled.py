@@ -63,7 +63,8 @@ def test_timeline_drives_the_run_and_sigterm_resumes_bit_exactly(
   np.testing.assert_array_equal(np.asarray(state.inner_steps),
                                 steps_taken)
   # The shared fields (Method.shared_fields) are bit-identical on every
-  # learner; the learners' own counters differ (they step at their speeds).
+  # learner (the same operations in one program on level inputs); the
+  # learners' own counters differ (they step at their speeds).
   mask = shared_mask(registry.METHODS['decoupled_diloco'], state)
   for x, shared in zip(jax.tree.leaves(state), jax.tree.leaves(mask)):
     x = np.asarray(x)
@@ -98,6 +99,7 @@ def test_timeline_drives_the_run_and_sigterm_resumes_bit_exactly(
   assert not first['finished'] and 6 <= step < _STEPS, step
   resumed = train.train_and_evaluate(config, workdir)
   assert resumed['finished'] and resumed['step'] == _STEPS
+  # The resume replays the same compiled steps: bit for bit.
   for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
     np.testing.assert_array_equal(a, b)
   assert resumed['cross_worker_bytes'] == full['cross_worker_bytes']

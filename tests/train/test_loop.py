@@ -29,13 +29,15 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(data_dir, tmp_path):
   resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
   assert resumed['finished']
 
+  # The resume replays the same compiled steps: bit for bit.
   for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
     np.testing.assert_array_equal(a, b)
   for key in ('final_eval_loss', 'cross_worker_bytes', 'syncs'):
     assert full[key] == resumed[key], key
   steps = [r['step'] for r in train.read_metrics(tmp_path / 'resumed')]
   assert steps == sorted(set(steps)) and steps[-1] == 12
-  # After the final sync the anchors agree bit for bit on every worker and
+  # After the final sync the anchors (one all-reduced value, the same
+  # operations on every worker) agree bit for bit on every worker and
   # the local parameters, reset through `theta + (phi - theta)`, agree to
   # within one rounding.
   state = full['state']
@@ -59,7 +61,7 @@ def test_identical_initialisation_on_every_worker(data_dir):
   assert state['params']['dense_1']['kernel'].sharding.spec[0] == 'worker'
   for x in jax.tree.leaves(state['params']) + \
       jax.tree.leaves(state['opt_state'].anchor):
-    for m in range(1, 4):
+    for m in range(1, 4):  # one initialisation, broadcast: exact
       np.testing.assert_array_equal(np.asarray(x[m]), np.asarray(x[0]))
 
 
@@ -256,6 +258,7 @@ def test_resume_falls_back_from_a_corrupt_newest_checkpoint(data_dir,
   assert 'resuming from step 4' in lines[0]
   assert 'Traceback' not in err and 'Event loop is closed' not in err, err
   assert resumed['finished']
+  # The same compiled steps replayed from step 4: bit for bit.
   for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
     np.testing.assert_array_equal(a, b)
   assert (tmp_path / 'run' / 'unreadable_checkpoints' / '8').is_dir()
@@ -291,7 +294,8 @@ def test_compressed_data_parallel_sends_the_payload_every_step(data_dir,
   assert summary['finished'] and summary['syncs'] == 0
   assert summary['cross_worker_bytes'] == 4 * exp.programs.bytes_per_step[
       False]
-  # every worker applied the same mean gradient: replicas stay identical
+  # every worker applied the same mean gradient with the same operations
+  # (one program): replicas stay bit-identical
   for x in jax.tree.leaves(summary['state']['params']):
     for m in range(1, config.mesh.workers):
       np.testing.assert_array_equal(np.asarray(x[m]), np.asarray(x[0]))

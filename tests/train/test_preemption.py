@@ -57,6 +57,8 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(data_dir,
 
   resumed = train.train_and_evaluate(config, workdir)
   assert resumed['finished'] and resumed['step'] == _STEPS
+  # One config, one mesh: the CLI process and this one compile the same
+  # programs on this machine, and the resume replays them: bit for bit.
   for a, b in zip(leaves(full['state']), leaves(resumed['state'])):
     np.testing.assert_array_equal(a, b)
   assert resumed['cross_worker_bytes'] == full['cross_worker_bytes']

@@ -126,6 +126,7 @@ def _streaming_checks(exp, config, summary, tmp_path):
   assert not part['finished']
   config.halt_after_steps = 0
   resumed = train.train_and_evaluate(config, tmp_path / 'resumed')
+  # The resume replays the same compiled steps: bit for bit.
   for a, b in zip(jax.tree.leaves(summary['state']),
                   jax.tree.leaves(resumed['state'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
