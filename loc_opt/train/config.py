@@ -160,15 +160,53 @@ def lr_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
       **dict(opt.get('schedule_kwargs', {})))
 
 
+# MT-DAO on the shared default optimizer 'adamw' runs multi_timescale_adam
+# with these of optimizer.kwargs (b1 has no counterpart: the slow momenta).
+_MT_FROM_ADAMW = ('b2', 'eps', 'eps_root', 'weight_decay', 'mask', 'mu_dtype')
+
+
+def mt_dao_optimizer(config: ml_collections.ConfigDict
+                     ) -> tuple[str, dict[str, Any]]:
+  """``(name, kwargs)`` of the inner optimizer under ``outer.method=
+  'mt_dao'``: ``optimizer.name='multi_timescale_adam'`` as configured; for
+  ``'adamw'`` (the default config's), ``multi_timescale_adam`` with its
+  slow-momentum defaults and adamw's ``b2``, ``eps`` and ``weight_decay``."""
+  opt = config.optimizer
+  kwargs = dict(opt.get('kwargs', {}))
+  if opt.name == 'multi_timescale_adam':
+    return opt.name, kwargs
+  if opt.name != 'adamw':
+    raise ValueError(f"outer.method='mt_dao' needs optimizer.name="
+                     f"'multi_timescale_adam' (or 'adamw', which it "
+                     f"replaces), got {opt.name!r}")
+  return 'multi_timescale_adam', {k: v for k, v in kwargs.items()
+                                  if k in _MT_FROM_ADAMW}
+
+
+# Streaming DiLoCo's num_fragments = 0: the first of these dividing H.
+STREAMING_AUTO_FRAGMENTS = (3, 2, 1)
+
+
+def streaming_fragments(num_fragments: int, sync_every: int) -> int:
+  """``outer.streaming_diloco.num_fragments``, with 0 resolved to the
+  first of :data:`STREAMING_AUTO_FRAGMENTS` that divides ``sync_every``."""
+  if num_fragments == 0:
+    return next(p for p in STREAMING_AUTO_FRAGMENTS if sync_every % p == 0)
+  return num_fragments
+
+
 def make_inner(config: ml_collections.ConfigDict,
                schedule: optax.Schedule | None = None
                ) -> optax.GradientTransformation:
-  """The inner optimizer: spike injection (if on), clip, optimizer."""
+  """The inner optimizer: spike injection (if on), clip, optimizer (under
+  MT-DAO: :func:`mt_dao_optimizer`)."""
   opt = config.optimizer
   schedule = lr_schedule(config) if schedule is None else schedule
+  name, kwargs = opt.name, dict(opt.get('kwargs', {}))
+  if (config.get('outer') or {}).get('method') == 'mt_dao':
+    name, kwargs = mt_dao_optimizer(config)
   tx = inner_lib.make_optimizer(
-      opt.name, schedule, grad_clip_norm=opt.get('grad_clip_norm'),
-      **dict(opt.get('kwargs', {})))
+      name, schedule, grad_clip_norm=opt.get('grad_clip_norm'), **kwargs)
   spike, _ = spikes_lib.spikes_from_config(opt, config.num_steps)
   return tx if spike is None else optax.chain(spike, tx)
 

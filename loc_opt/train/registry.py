@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from loc_opt import _checks
@@ -146,16 +145,9 @@ def _streaming_overlap(config) -> int:
       outer_lib.streaming_diloco, 'overlap')))
 
 
-# num_fragments = 0: the first of these that divides sync_every.
-STREAMING_AUTO_FRAGMENTS = (3, 2, 1)
-
-
 def _streaming_fragments(config) -> int:
-  num_fragments = int(_required(config, 'streaming_diloco', 'num_fragments'))
-  if num_fragments == 0:  # fits any sync_every
-    h = _h(config)
-    return next(p for p in STREAMING_AUTO_FRAGMENTS if h % p == 0)
-  return num_fragments
+  p = int(_required(config, 'streaming_diloco', 'num_fragments'))
+  return cfg_lib.streaming_fragments(p, _h(config))
 
 
 def _streaming_plan(config):
@@ -341,33 +333,9 @@ def _state_periods(config, mt: bool) -> dict[str, int]:
           for name, factor in DEFAULT_STATE_FACTORS.items()}
 
 
-# MT-DAO's optimizer in place of the shared default 'adamw': these of
-# optimizer.kwargs carry over (b1 has no counterpart: the slow momenta).
-_MT_FROM_ADAMW = ('b2', 'eps', 'eps_root', 'weight_decay', 'mask', 'mu_dtype')
-
-
-def _mt_inner(config):
-  """MT-DAO's inner optimizer: ``optimizer.name`` if it is
-  ``'multi_timescale_adam'``; for ``'adamw'`` (the default config's),
-  ``multi_timescale_adam`` with its slow-momentum defaults and adamw's
-  ``b2``, ``eps`` and ``weight_decay``, clip and schedule."""
-  name = config.optimizer.name
-  if name == 'multi_timescale_adam':
-    return None
-  if name != 'adamw':
-    raise ValueError(f"outer.method='mt_dao' needs optimizer.name="
-                     f"'multi_timescale_adam' (or 'adamw', which it "
-                     f"replaces), got {name!r}")
-  mt = ml_collections.ConfigDict(config.to_dict())
-  mt.optimizer.name = 'multi_timescale_adam'
-  mt.optimizer.kwargs = {k: v for k, v in dict(config.optimizer.kwargs).items()
-                         if k in _MT_FROM_ADAMW}
-  return cfg_lib.make_inner(mt)
-
-
 def _desloc_plan(config, mt=False):
   if mt:
-    _mt_inner(config)  # checks optimizer.name
+    cfg_lib.mt_dao_optimizer(config)  # checks optimizer.name
   # Building the transform checks average_at and clip_radius up front.
   cfg_lib.checked('outer.desloc', outer_lib.desloc, optax.identity(),
                   sync_every=_h(config),
@@ -382,8 +350,6 @@ _DESLOC_FIELDS = ('average_at', 'clip_radius')
 
 def _build_desloc(config, inner, axis_name, mt=False):
   nesterov = bool(_required(config, 'desloc', 'nesterov'))
-  if mt:
-    inner = _mt_inner(config) or inner
   return cfg_lib.checked(
       'outer.desloc', outer_lib.desloc, inner, sync_every=_h(config),
       state_sync_every=_state_periods(config, mt),
