@@ -38,12 +38,15 @@ def test_defaults_that_fit_the_shared_ones():
   config.outer.method = 'streaming_diloco'
   for h, p in ((30, 3), (50, 2), (49, 1)):
     config.outer.sync_every = h
-    assert registry._streaming_fragments(config) == p  # pylint: disable=protected-access
+    assert cfg_lib.streaming_fragments(0, h) == p
+    experiment.validate_config(config, 8)
+  assert cfg_lib.streaming_fragments(5, 50) == 5
   # MT-DAO on the default 'adamw' builds multi_timescale_adam; another
   # optimizer is named in the error.
   config.outer.method = 'mt_dao'
   config.outer.sync_every = 50
-  assert registry._mt_inner(config) is not None  # pylint: disable=protected-access
+  assert cfg_lib.mt_dao_optimizer(config) == (
+      'multi_timescale_adam', {'b2': 0.95, 'weight_decay': 0.1})
   config.optimizer.name = 'sgd'
   with pytest.raises(ValueError, match="needs optimizer.name="
                      "'multi_timescale_adam' .or 'adamw'.*got 'sgd'"):
