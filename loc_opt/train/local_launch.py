@@ -17,9 +17,20 @@ has the tokens/s).
 The parent only waits. A SIGTERM or SIGINT it receives goes on to every
 child as a SIGTERM, which is a preemption notice: the children reach one
 sync point, save a checkpoint at the same step and exit (run the same
-command to resume); a second SIGINT kills them. When one child fails, the
+command to resume); the parent then exits 0 after a SIGTERM and 130 after a
+SIGINT; a second SIGINT kills them. When one child fails, the
 others would wait for it in their next collective forever: the parent
-kills them and exits with the failed child's code, naming it.
+kills them and exits with the failed child's code, naming it (128 + the
+signal's number when a signal killed it: 137 for SIGKILL).
+
+No orphans: on Linux each child asks the kernel for a SIGKILL when its
+parent dies (``prctl(PR_SET_PDEATHSIG)``, set by a small Python prelude
+that then ``exec``s the child's command, so nothing runs between fork and
+exec), and checks that its parent is still the launcher; so however the
+launcher dies, ``kill -9`` included, its children die with it. (The
+signal follows the launcher thread that started them: :func:`run` must be
+called from a thread that lives as long as the run, e.g. the main one.)
+Elsewhere the prelude only ``exec``s.
 """
 
 from collections.abc import Sequence
@@ -75,6 +86,28 @@ def process_flags(num_processes: int, process_id: int,
           f'--num_processes={num_processes}', f'--process_id={process_id}']
 
 
+# Run in each child before its command: SIGKILL when the parent dies
+# (PR_SET_PDEATHSIG = 1), unless the parent is already gone; then exec.
+_PRELUDE = """
+import ctypes, os, signal, sys
+parent, argv = int(sys.argv[1]), sys.argv[2:]
+if sys.platform.startswith('linux'):
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
+    sys.exit('local_launch: prctl(PR_SET_PDEATHSIG) failed: '
+             + os.strerror(ctypes.get_errno()))
+  if os.getppid() != parent:
+    os._exit(128 + signal.SIGKILL)
+os.execv(argv[0], argv)
+"""
+
+
+def exit_code(code: int) -> int:
+  """A child's return code as a shell reports it: ``128 + n`` for one
+  killed by signal ``n`` (``subprocess`` says ``-n``)."""
+  return 128 - code if code < 0 else code
+
+
 def _start(command, i, num_processes, port, cores):
   # The child inherits this thread's cores: pin it for the spawn and back
   # (a preexec_fn would make subprocess fork, unsafe once JAX's threads run).
@@ -83,7 +116,8 @@ def _start(command, i, num_processes, port, cores):
     os.sched_setaffinity(0, cores)
   try:
     return subprocess.Popen(
-        [*command, *process_flags(num_processes, i, port)],
+        [sys.executable, '-c', _PRELUDE, str(os.getpid()), *command,
+         *process_flags(num_processes, i, port)],
         start_new_session=True)
   finally:
     os.sched_setaffinity(0, own)
@@ -104,9 +138,11 @@ def run(command: Sequence[str], num_processes: int, *, pin: bool = True,
 
   Each copy gets :func:`process_flags` appended (one free port for all) and,
   with ``pin``, its share of this process's cores (:func:`core_shares`).
-  Returns 0 when every copy exits 0; otherwise kills the copies still
-  running, prints which one failed, and returns its exit code (a signal's
-  number, negated, when one killed it).
+  Returns 0 when every copy exits 0 (130 when they saved and stopped on a
+  SIGINT to this process); otherwise kills the copies still running,
+  prints which one failed, and returns its exit code (128 + the signal's
+  number when one killed it). Call it from a thread that lives as long as
+  the run (the children die with that thread, see the module doc).
   """
   num_processes = _checks.positive_int(num_processes, 'num_processes')
   shares = (core_shares(os.sched_getaffinity(0), num_processes) if pin
@@ -135,11 +171,19 @@ def run(command: Sequence[str], num_processes: int, *, pin: bool = True,
         for p in procs:
           p.wait()
         i = failed[0]
-        print(f'local_launch: process {i} of {num_processes} exited with '
-              f'code {codes[i]}; stopped the others', file=sys.stderr)
-        return codes[i]
+        code = exit_code(codes[i])
+        how = f'exited with code {code}'
+        if codes[i] < 0:
+          try:
+            name = signal.Signals(-codes[i]).name
+          except ValueError:
+            name = f'signal {-codes[i]}'
+          how = f'was killed by {name} (exit code {code})'
+        print(f'local_launch: process {i} of {num_processes} {how}; '
+              'stopped the others', file=sys.stderr)
+        return code
       if all(c == 0 for c in codes):
-        return 0
+        return 128 + signal.SIGINT if signal.SIGINT in interrupts else 0
       time.sleep(poll_s)
   finally:
     _signal_all(procs, signal.SIGKILL)

@@ -31,10 +31,15 @@ CHILD = textwrap.dedent('''
       sys.exit(0)
     signal.signal(signal.SIGTERM, done)
     (out / f'{i}.json').write_text(json.dumps(
-        {'flags': flags, 'cores': sorted(os.sched_getaffinity(0))}))
+        {'flags': flags, 'cores': sorted(os.sched_getaffinity(0)),
+         'pid': os.getpid()}))
     mode = os.environ['MODE']
     if mode == 'fail' and i == '1':
       sys.exit(3)
+    if mode == 'kill9' and i == '1':
+      os.kill(os.getpid(), signal.SIGKILL)
+    if mode == 'kill9':
+      time.sleep(120)
     if mode in ('fail', 'wait'):
       time.sleep(3600)
 ''')
@@ -78,6 +83,60 @@ def test_a_failed_process_stops_the_others(tmp_path, capfd):
   assert time.monotonic() - start < 600
   assert 'process 1 of 2 exited with code 3' in capfd.readouterr().err
   assert not list(tmp_path.glob('term*'))  # killed, not asked to save
+
+
+def test_a_killed_process_gives_128_plus_the_signal(tmp_path, capfd):
+  assert _run(tmp_path, 'kill9') == 128 + signal.SIGKILL
+  assert ('process 1 of 2 was killed by SIGKILL (exit code 137)'
+          in capfd.readouterr().err)
+
+
+def _running(pid: int) -> bool:
+  """Whether process ``pid`` exists and is not a zombie."""
+  try:
+    stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  except FileNotFoundError:
+    return False
+  return stat.rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+
+
+def _launcher(tmp_path, mode):
+  """A launcher process running CHILD twice; once both children started:
+  ``(launcher, child pids)``."""
+  parent = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys; from loc_opt.train import local_launch; '
+       f'sys.exit(local_launch.run([sys.executable, "-c", {CHILD!r}], 2))'],
+      cwd=ROOT, env=dict(os.environ, OUT=str(tmp_path), MODE=mode,
+                         PYTHONPATH=str(ROOT)))
+  deadline = time.monotonic() + 60
+  while len(list(tmp_path.glob('*.json'))) < 2:
+    assert time.monotonic() < deadline, 'the children did not start'
+    time.sleep(0.1)
+  time.sleep(0.2)  # both json files written whole
+  pids = [json.loads((tmp_path / f'{i}.json').read_text())['pid']
+          for i in range(2)]
+  return parent, pids
+
+
+def test_children_die_with_a_launcher_killed_by_sigkill(tmp_path):
+  """kill -9 of the launcher leaves no child running (each child asked for
+  a SIGKILL at its parent's death); before, they slept on as orphans."""
+  parent, pids = _launcher(tmp_path, 'wait')
+  try:
+    assert all(_running(p) for p in pids)
+    parent.kill()
+    assert parent.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not [p for p in pids if _running(p)]
+  finally:
+    for p in pids:
+      try:
+        os.kill(p, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
 
 
 def test_sigterm_reaches_every_process(tmp_path):
