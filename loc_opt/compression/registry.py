@@ -51,11 +51,11 @@ Scheme = (Compressor | Codec | str | tuple[str, Mapping[str, Any]] | None)
 
 
 def _unknown(name: str, field: str, known) -> ValueError:
-  return ValueError(f'unknown codec {name!r} (field {field}); choose one of '
+  return ValueError(f'unknown codec {name!r} for {field}; choose one of '
                     f'{sorted(known)}')
 
 
-def make_codec(name: str, *, field: str = 'outer.codec',
+def make_codec(name: str, *, field: str = 'codec',
                **kwargs: Any) -> Codec:
   """The codec ``name`` of :data:`CODECS`, built with ``kwargs``."""
   if name not in CODECS:
@@ -67,14 +67,14 @@ def make_codec(name: str, *, field: str = 'outer.codec',
   return CODECS[name](**kwargs)
 
 
-def make_compressor(name: str, *, field: str = 'outer.codec',
+def make_compressor(name: str, *, field: str = 'codec',
                     reduce: str = 'gather', workers: int | None = None,
                     **kwargs: Any) -> Compressor:
   """A compressor by name: one of :data:`COMPRESSORS`, or any codec.
 
   Args:
     name: e.g. ``'int8'``, ``'fp4_e3m0'``, ``'topk'``, ``'powersgd'``.
-    field: the config field that named it, for error messages.
+    field: the argument or config field that named it, for error messages.
     reduce: for codecs, ``'gather'`` or ``'two_phase'`` (see
       :func:`~loc_opt.compression.from_codec`); compressors with their own
       collectives take only ``'gather'``.
@@ -126,4 +126,9 @@ def as_compressor(scheme: Scheme, *, field: str = 'codec') -> Compressor:
       raise TypeError(f'{field}: expected (name, kwargs) with a dict of '
                       f'keyword arguments, got {scheme!r}')
     return make_compressor(name, field=field, **dict(kwargs))
+  if scheme is not None and not isinstance(
+      scheme, (compressor_lib.Compressor, codecs.Codec)):
+    raise TypeError(f'{field} must be a loc_opt.compression codec or '
+                    'compressor, a codec name or (name, kwargs), got '
+                    f'{scheme!r}')
   return compressor_lib.to_compressor(scheme)

@@ -468,6 +468,8 @@ def async_local_sgd(
     Liu, Douillard, Ranzato, Szlam, Rusu, *Asynchronous Local-SGD Training
     for Language Modeling*, 2024.
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   ratios = relative_speeds(speeds)
   periods = dylu_periods(speeds, sync_every, dylu)
   num_workers = len(ratios)

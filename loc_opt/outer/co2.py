@@ -138,6 +138,7 @@ def co2(
     Sun et al., *CO2: Efficient Distributed Training with Full
     Communication-Computation Overlap*, ICLR 2024.
   """
+  _checks.transformation(inner, 'inner')
   _checks.positive_int(sync_every, 'sync_every')
   for name, value in (('outer_lr', outer_lr),
                       ('staleness_penalty', staleness_penalty),

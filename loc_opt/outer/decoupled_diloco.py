@@ -510,6 +510,8 @@ def decoupled_diloco(
     Douillard et al., *Decoupled DiLoCo for Resilient Distributed
     Pre-training*, 2026. https://arxiv.org/abs/2604.21428
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   if num_fragments is None and (fragments is None or callable(fragments)):
     raise ValueError('decoupled_diloco needs num_fragments unless fragments '
                      'is a tree of ints')

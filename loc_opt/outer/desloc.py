@@ -345,6 +345,8 @@ def desloc(
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
     for Training Foundation Models*, 2025. https://arxiv.org/abs/2505.22549
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   periods = _periods(sync_every, state_sync_every)
   fields = tuple(name for name in sorted(periods) if name != PARAMS)
   step_fn = {'before_update': _step_before, 'after_update': _step_after}[
@@ -430,6 +432,8 @@ def local_adam(
     Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers
     for Training Foundation Models*, 2025 (Local Adam is its baseline).
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   k = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   return desloc(inner, sync_every=k,
                 state_sync_every={name: k for name in state_fields},
@@ -494,6 +498,7 @@ def mt_dao(
     Iacob et al., *MT-DAO: Multi-Timescale Distributed Adaptive Optimizers
     with Local Updates*, 2025.
   """
+  _checks.transformation(outer, 'outer', optional=True)
   inner = multi_timescale.multi_timescale_adam(
       learning_rate, slow_betas=slow_betas, slow_weights=slow_weights, b2=b2,
       eps=eps, weight_decay=weight_decay, mask=mask, mu_dtype=mu_dtype)

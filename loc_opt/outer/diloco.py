@@ -222,6 +222,8 @@ def diloco(
     mean). Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
     Trillion Parameter Models*, 2020 (the sharded layout).
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   _check_sync_every(sync_every)
   if _sharded.check_layout(outer_state_layout) == 'sharded':
     return _sharded_diloco(inner, sync_every=sync_every, outer=outer,
@@ -359,6 +361,7 @@ def local_sgd(
     Decentralized Data*, 2017; Stich, *Local SGD Converges Fast and
     Communicates Little*, 2019.
   """
+  _checks.transformation(inner, 'inner')
   return diloco(
       inner,
       sync_every=sync_every,

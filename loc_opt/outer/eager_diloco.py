@@ -126,6 +126,8 @@ def eager_diloco(
     Kale, Douillard, Donchev, *Eager Updates For Overlapped Communication and
     Computation in DiLoCo*, 2025.
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   _checks.positive_int(sync_every, 'sync_every')
   if codec is not None and axis_name is None:
     raise ValueError('eager_diloco with a codec needs an axis_name')

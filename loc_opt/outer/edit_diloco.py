@@ -233,6 +233,8 @@ def edit_diloco(
     Cheng et al., *EDiT: A Local-SGD-Based Efficient Distributed Training
     Method for Large Language Models*, ICLR 2025.
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   _checks.positive_int(sync_every, 'sync_every')
   _check_args(ewma, warmup_syncs, z_threshold, temperature, clip_norm)
   inner = optax.with_extra_args_support(inner)

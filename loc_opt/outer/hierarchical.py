@@ -332,6 +332,9 @@ def hierarchical_diloco(
     Kim et al., *HALoS: Hierarchical Asynchronous Local SGD over Slow
     Networks for Geo-Distributed Large Language Model Training*, 2025.
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
+  _checks.transformation(group_outer, 'group_outer', optional=True)
   h1, h2 = _check_periods(sync_every, global_sync_every)
   group_size = _checks.positive_int(group_size, 'group_size')
   if axis_name is None and (group_size > 1 or codec is not None

@@ -271,6 +271,7 @@ def noloco(
     Kolehmainen, Blagoev, Donaghy, Ersoy, Nies, *NoLoCo: No-all-reduce Low
     Communication Training Method for Large Models*, 2025.
   """
+  _checks.transformation(inner, 'inner')
   _check_sync_every(sync_every)
   _checks.positive_int(group_size, 'group_size')
   if axis_name is None and group_size != 1:

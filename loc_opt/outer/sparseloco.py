@@ -204,6 +204,7 @@ def sparseloco(
     Sarfi, Thérien, Lidin, Belilovsky, *Communication Efficient LLM
     Pre-training with SparseLoCo*, 2025.
   """
+  _checks.transformation(inner, 'inner')
   sync_every = _checks.positive_int(sync_every, 'sync_every', arrays=True)
   _checks.one_of(aggregate, 'aggregate', dct.AGGREGATES)
   if not _checks.is_traced(ef_decay):

@@ -397,6 +397,8 @@ def streaming_diloco(
     Douillard et al., *Streaming DiLoCo with overlapping communication:
     Towards a Distributed Free Lunch*, 2025.
   """
+  _checks.transformation(inner, 'inner')
+  _checks.transformation(outer, 'outer', optional=True)
   p_count = _fragments.num_fragments_of(num_fragments, fragments)
   _check_schedule(sync_every, p_count, overlap)
   if alpha is None:
