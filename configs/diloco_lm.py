@@ -358,6 +358,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.group_error_feedback = 'none'
   s.group_ef_decay = 1.0  # 'ef' only: e <- decay * (p - C(p)), in [0, 1].
 
+  # A parameter group on a sync period of its own ('group_diloco'): the
+  # leaves whose path matches `pattern` (default: a MoE LM's routers) sync
+  # every sync_every steps with their own outer step; the rest every
+  # outer.sync_every steps with the outer step above. See docs/moe.md.
+  s = c.outer.group_diloco = ml_collections.ConfigDict()
+  s.pattern = r'(^|/)router/'  # re.search on 'layer_0/mlp/router/kernel'.
+  s.sync_every = 2  # H_g: the group's period (a positive int).
+  s.learning_rate = 0.7  # The group's outer learning rate.
+  s.momentum = 0.9  # Its Nesterov momentum (0: plain SGD).
+
   # Non-finite steps (loc_opt.train.faults): a worker skips an inner step
   # whose loss or gradients are NaN / Inf (zeros them on a step that syncs);
   # bad steps are counted (metrics faults/bad_steps).

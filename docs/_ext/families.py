@@ -249,6 +249,14 @@ OUTER = Table(
             'groups ``4N`` only every ``H2`` steps',
             'two link speeds (racks or regions): sync often inside a group, '
             'rarely between groups (see :doc:`../hierarchical`)'),
+        'group_diloco': Row(
+            'loc_opt.outer.group_diloco',
+            'Douillard et al., *DiLoCo*, 2023; a router sync period of its '
+            'own as in MaxText\'s MoE DiLoCo recipe',
+            '``4N_g`` every ``H_g`` steps (the group, e.g. the routers), '
+            '``4(N - N_g)`` every ``H``',
+            'a Mixture-of-Experts LM whose routers should sync more (or '
+            'less) often than the experts (see :doc:`../moe`)'),
         'async_local_sgd': Row(
             'loc_opt.outer.async_local_sgd',
             'Liu et al., *Asynchronous Local-SGD Training for Language '

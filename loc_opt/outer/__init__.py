@@ -65,6 +65,10 @@ from loc_opt.outer.demo import demo_payload_bytes
 from loc_opt.outer.demo import demo_plan
 from loc_opt.outer.demo import scale_by_demo
 from loc_opt.outer.desloc import desloc
+from loc_opt.outer.group_diloco import group_diloco
+from loc_opt.outer.group_diloco import group_diloco_eval_params
+from loc_opt.outer.group_diloco import group_diloco_plan
+from loc_opt.outer.group_diloco import GroupDilocoState
 from loc_opt.outer.desloc import desloc_eval_params
 from loc_opt.outer.desloc import desloc_phase_bytes
 from loc_opt.outer.desloc import desloc_plan

@@ -31,6 +31,7 @@ from loc_opt.outer import plan as plan_lib
 from loc_opt.outer.desloc import DEFAULT_STATE_FACTORS
 from loc_opt.train import config as cfg_lib
 from loc_opt.train import faults
+from loc_opt.train import group_sync
 from loc_opt.train import hierarchy
 from loc_opt.train import outer_layout
 from loc_opt.train import simulated_time
@@ -548,6 +549,12 @@ METHODS: Mapping[str, Method] = {
         # the group anchor and outer state are each group's own
         shared_fields=('anchor', 'outer_state', 'num_global_syncs')
         + _COUNTERS),
+    # A parameter group (a MoE LM's routers) on a period of its own.
+    'group_diloco': Method(
+        per_worker=True, build=group_sync.build, plan=group_sync.plan,
+        eval_params=group_sync.eval_params, section=group_sync.SECTION,
+        library_kwargs=group_sync.library_kwargs,
+        shared_fields=('anchor', 'outer_state', 'count', 'num_syncs')),
     'async_local_sgd': Method(
         per_worker=True, build=_build_async, plan=_async_plan,
         eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,

@@ -4,6 +4,7 @@ and the routing diagnostics in the metrics."""
 
 import collections
 
+import jax
 import numpy as np
 import pytest
 
@@ -93,3 +94,23 @@ def test_moe_lm_trains_under_diloco_with_routing_metrics(diloco_moe, data_dir,
   assert records[4]['routing/router_drift'] > 0
   params = summary['state']['params']
   assert routing.router_drift(params) < 1e-6  # the last step synced
+
+
+def test_router_syncs_on_its_own_period(data_dir, tmp_path):
+  """``outer.method='group_diloco'`` on the MoE LM: the routers sync every
+  2 steps, the rest every 4; a routers-only sync moves the routers'
+  float32 bytes across the workers, a full one every parameter's."""
+  config = _config(data_dir, **{
+      'outer.method': 'group_diloco', 'outer.group_diloco.sync_every': 2,
+      'num_steps': 4, 'log_every': 4, 'eval_every': 4,
+      'checkpoint_every': 0})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and summary['syncs'] == 2
+  router = sum(x[0].size for x in jax.tree.leaves(
+      summary['state']['params']['layer_0']['mlp']['router']))
+  workers = config.mesh.workers
+  assert summary['bytes_per_phase'] == {
+      'False': 0, "('group',)": workers * 4 * router,
+      "('group', 'main')": workers * 4 * summary['num_params']}
+  record = metrics_lib.read_metrics(tmp_path)[-1]
+  assert record['routing/router_drift'] > 0  # before the last sync

@@ -50,6 +50,8 @@ CASES = {
     'co2': {},
     'decoupled_diloco': {'wallclock.worker_speeds': (1.0, 1.0, 1.0, 0.5)},
     'hierarchical_diloco': {},  # groups of 2, H1 = 4, H2 = 8
+    # The MLP has no router: its first layer is the group (H_g = 2).
+    'group_diloco': {'outer.group_diloco.pattern': 'dense_0/'},
 }
 TRAINED = ('streaming_diloco', 'noloco', 'demo', 'sparseloco', 'mt_dao',
            'async_local_sgd')
