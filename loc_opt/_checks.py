@@ -181,3 +181,27 @@ def axis_bound(axis_name: str, who: str = 'this transform') -> str:
         f'Recipes for jit, NNX, Linen and sharded loops: {QUICKSTART}.'
     ) from None
   return axis_name
+
+
+def transformation(value: Any, name: str, *, optional: bool = False) -> Any:
+  """``value`` if it is an Optax gradient transformation (it has ``init``
+  and ``update``; ``None`` too where ``optional``).
+
+  Raises:
+    TypeError: naming ``name``, with what to do for the usual mistakes (an
+      optimizer factory not called, a learning rate in its place).
+  """
+  if value is None and optional:
+    return value
+  if (callable(getattr(value, 'init', None))
+      and callable(getattr(value, 'update', None))):
+    return value
+  hint = ''
+  if callable(value):
+    hint = ('; it is a function: call it, e.g. optax.sgd(0.1) rather than '
+            'optax.sgd')
+  elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    hint = ('; a learning rate goes inside one, e.g. '
+            'optax.sgd(0.7, momentum=0.9, nesterov=True)')
+  raise TypeError(f'{name} must be an Optax GradientTransformation (with '
+                  f'init and update), got {value!r}{hint}')
