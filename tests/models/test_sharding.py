@@ -75,17 +75,24 @@ def test_constrain_is_a_no_op_without_a_mesh():
     sharding.constrain(x, ('batch',), sharding.DEFAULT_RULES)
 
 
-def test_cross_entropy_equals_optax_bit_for_bit():
+def test_cross_entropy_equals_optax():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(4, 16, 256)) * 3, jnp.float32)
   targets = jnp.asarray(rng.integers(0, 256, (4, 16)), jnp.int32)
   reference = optax.softmax_cross_entropy_with_integer_labels
-  loss = lambda f: jax.jit(lambda z: f(z, targets).mean())
-  np.testing.assert_array_equal(loss(models.core.cross_entropy)(logits),
-                                loss(reference)(logits))
-  np.testing.assert_array_equal(
-      jax.jit(jax.grad(loss(models.core.cross_entropy)))(logits),
-      jax.jit(jax.grad(loss(reference)))(logits))
+  loss = lambda f, t=targets: jax.jit(lambda z: f(z, t).mean())
+  # The same formula, but XLA fuses the two programs' reductions
+  # differently: equal to float32 rounding (bit for bit on some CPUs).
+  want = loss(reference)(logits)
+  np.testing.assert_allclose(loss(models.core.cross_entropy)(logits), want,
+                             rtol=1e-6)
+  grad = jax.jit(jax.grad(loss(reference)))(logits)
+  np.testing.assert_allclose(
+      jax.jit(jax.grad(loss(models.core.cross_entropy)))(logits), grad,
+      rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(grad))))
+  # Other targets give another loss: the check bites.
+  other = loss(models.core.cross_entropy, (targets + 1) % 256)(logits)
+  assert abs(float(other) - float(want)) > 1e-3
 
 
 def _loss(model):
