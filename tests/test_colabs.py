@@ -219,9 +219,43 @@ def test_notebook_format(path):
   assert cells[0]['cell_type'] == 'markdown'
   assert BADGE + path.name in ''.join(cells[0]['source'])
   code = [c for c in cells if c['cell_type'] == 'code']
-  assert '%pip install' in ''.join(code[0]['source'])
+  assert ''.join(code[0]['source']) == install_cell()  # the same everywhere
   for cell in code:
     assert cell['outputs'] == [] and cell['execution_count'] is None
+
+
+def install_cell() -> str:
+  """The first code cell of every notebook: installs loc_opt where missing."""
+  code = [c for c in json.loads(NOTEBOOKS[0].read_text())['cells']
+          if c['cell_type'] == 'code']
+  return ''.join(code[0]['source'])
+
+
+@pytest.mark.parametrize('where, source', [
+    ('colabs', 'clone'), ('.', 'clone'), ('elsewhere', 'repo')])
+def test_the_install_cell_installs_from_one_place(where, source, tmp_path,
+                                                  monkeypatch):
+  # In a runtime without loc_opt, the cell pip-installs
+  # loc_opt[train,plot] from LOC_OPT_SOURCE: the clone it runs from (the
+  # notebooks' folder or the clone's root), else the repository URL.
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = COLABS.parent
+  monkeypatch.chdir({'colabs': COLABS, '.': root,
+                     'elsewhere': tmp_path}[where])
+  calls = []
+  monkeypatch.setattr(subprocess, 'run',
+                      lambda cmd, check: calls.append(cmd))
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec',
+                      lambda name, *a: None if name == 'loc_opt'
+                      else find_spec(name, *a))
+  namespace = {}
+  exec(compile(install_cell(), 'install', 'exec'), namespace)  # noqa: S102
+  want = root.as_uri() if source == 'clone' else namespace['LOC_OPT_REPO']
+  assert namespace['LOC_OPT_SOURCE'] == want
+  assert calls == [[namespace['sys'].executable, '-m', 'pip', 'install',
+                    '-q', f'loc_opt[train,plot] @ {want}']]
 
 
 def test_magics_are_dropped(tmp_path):
