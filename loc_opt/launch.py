@@ -410,12 +410,18 @@ def _train(argv: Sequence[str]) -> None:
   initialize_processes(jax)
   # pylint: disable=g-import-not-at-top
   from loc_opt import train
+  from loc_opt.train import preemption
+  from loc_opt.train import run_errors
   from loc_opt.train import startup
   # pylint: enable=g-import-not-at-top
   with usage_errors(_config_errors()):
     preflight(config, workdir, jax.device_count())
   writer = jax.process_index() == 0
-  with startup.report_to(_stderr if writer else None):
+  # A fault ends in one line and a documented code (run_errors); a signal
+  # before the first step too (preemption.startup_signals), after it the
+  # run saves and returns its exit code.
+  with run_errors.one_line(workdir), preemption.startup_signals(), \
+      startup.report_to(_stderr if writer else None):
     # A dataset that is missing or cannot be built is an error of the
     # config too; it is read before anything compiles.
     with usage_errors((FileNotFoundError, NotADirectoryError,
@@ -425,6 +431,8 @@ def _train(argv: Sequence[str]) -> None:
   if writer:
     print(train.format_summary(summary))
     print(f'metrics: {os.path.join(workdir, "metrics.jsonl")}')
+  if summary.get('exit_code'):
+    sys.exit(summary['exit_code'])  # 130: saved and stopped on SIGINT
 
 
 def _flags_parser(argv: list[str]) -> list[str]:

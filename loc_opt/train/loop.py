@@ -31,6 +31,7 @@ from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import preemption
 from loc_opt.train import routing as routing_lib
 from loc_opt.train import simulated_time
+from loc_opt.train import workdir_lock
 from loc_opt.train import startup
 
 
@@ -297,6 +298,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str | os.PathLike) -> dict[str, Any]:
   """Trains per ``config``, writing checkpoints and metrics to ``workdir``.
 
+  One run at a time per workdir: process 0 holds ``workdir/lock.json``
+  while the run writes (``loc_opt.train.workdir_lock``). A SIGTERM or
+  SIGINT once training runs saves the live state at the current step and
+  returns (``preempted``; ``exit_code`` 0 or 130); before the first step it
+  raises ``preemption.Interrupted`` (``loc_opt.train.preemption``).
+
   If ``workdir`` holds a checkpoint, training resumes from it and ends with
   exactly the state an uninterrupted run would have (bit for bit on CPU).
   Otherwise, if ``config.init_from.workdir`` is set, the run starts from
@@ -312,12 +319,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     The summary: final eval loss, cross-worker bytes moved, the bytes the
     data-parallel step would have moved for the same steps, timings; and
     ``state``, the final train state.
+
+  Raises:
+    workdir_lock.WorkdirLockedError: another live run holds ``workdir``.
+    faults.NonFiniteError: training went non-finite.
+    preemption.Interrupted: a signal before the first step.
   """
-  workdir = pathlib.Path(workdir)
+  preempt = preemption.PreemptionWatch(startup=True)
+  lock = workdir_lock.WorkdirLock(workdir)
+  try:
+    return _train_and_evaluate(config, pathlib.Path(workdir), preempt, lock)
+  finally:
+    lock.release()
+    preempt.close()
+
+
+def _train_and_evaluate(config, workdir, preempt, lock) -> dict[str, Any]:
+  """:func:`train_and_evaluate`, with its signal watch and workdir lock."""
   config_json = cfg_lib.config_to_json(config)
   t0 = time.perf_counter()
   exp_lib.validate_config(config, jax.device_count())
   metrics_lib.check_logging(config)  # before compiling anything
+  lock.acquire()  # before anything is written
   init_from = config.get('init_from')
   branching = (init_from is not None and bool(init_from.get('workdir'))
                and ckpt_lib.latest_step(workdir) is None)
@@ -354,21 +377,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   logger = _Logger(exp, config, workdir, start,
                    exp_lib.eval_batches(exp, data, config.eval_batches),
                    progress)
-  preempt = preemption.PreemptionWatch()  # SIGTERM: save and stop
+  preempt.start_training()  # SIGTERM, SIGINT: save the live state, stop
   try:
     state = _run_steps(exp, config, state, counters, data, logger, ckpt,
                        config_json, preempt)
-  except KeyboardInterrupt:
-    progress.message(f'interrupted at step {counters.step}; saving a '
-                     'checkpoint')
-    ckpt.save(counters.step, state, config_json)
-    raise
   finally:
-    preempt.close()
     logger.writer.close()
   ckpt.close()
   summary = {'step': counters.step, 'finished': False,
-             'preempted': preempt.preempted}
+             'preempted': preempt.preempted, 'signal': preempt.signal,
+             'exit_code': preempt.exit_code}
   if counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
     summary['corpus'] = corpus  # loc_opt.data.corpus.track's record
@@ -381,7 +399,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 def format_summary(summary: dict[str, Any]) -> str:
   """A short human-readable end-of-run summary."""
   if summary.get('preempted'):
-    return (f'preempted: saved a checkpoint at step {summary["step"]} '
+    what = ('interrupted (SIGINT)' if summary.get('signal') == 'SIGINT'
+            else 'preempted')
+    return (f'{what}: saved a checkpoint at step {summary["step"]} '
             '(run the same command to resume)')
   if not summary.get('finished'):
     return f'stopped at step {summary["step"]} (resume to finish)'
