@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml tools/find_python.sh
 	  echo "creating $(VENV) with $$PYBIN"; rm -rf $(VENV); "$$PYBIN" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -e '.[test,plot]'  # test includes the train extra
 	@touch $(STAMP)
 
 demo: setup
-	$(PY) -m experiments.train --config=configs/diloco_lm.py --workdir=$(WORKDIR)
+	$(VENV)/bin/loc-opt-train --config=diloco_lm --workdir=$(WORKDIR)
 
 # What XLA's GPU compiler schedules while each sync is in flight, compiled for
 # 4 H100s without a GPU (docs/overlap.md). JAX's CUDA plugin goes into a venv
