@@ -18,6 +18,7 @@ Every method runs from its name alone: --config.outer.method=NAME.
 import ml_collections
 
 from loc_opt import data
+from loc_opt.outer import hierarchical
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -346,8 +347,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s = c.outer.hierarchical_diloco = ml_collections.ConfigDict()
   s.group_size = 2  # G: workers per group; divides mesh.workers.
   s.global_period = 2  # H2 / H1: group syncs per global sync.
-  s.global_learning_rate = 1.0  # Global outer learning rate (1: merge).
-  s.global_momentum = 0.0  # Global outer Nesterov momentum (0: plain SGD).
+  # Global outer step: the library's defaults (hierarchical_diloco's
+  # outer=None), SGD at rate 1 with no momentum, a plain merge.
+  s.global_learning_rate = hierarchical.GLOBAL_LEARNING_RATE
+  s.global_momentum = hierarchical.GLOBAL_MOMENTUM  # > 0: Nesterov.
+  # Who sends across groups: 'all' (an all-reduce over every worker) or
+  # 'representatives' (TreeLoCo: each group's first worker; no outer.codec).
+  s.global_exchange = 'all'
   # What crosses workers inside a group: 'none' (fp32) or a name of
   # loc_opt.compression.make_compressor ('int8', 'fp4_e3m0', 'statistical',
   # ...); its payloads move by G - 1 shifts inside the group.

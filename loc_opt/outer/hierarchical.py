@@ -47,6 +47,26 @@ from loc_opt.outer import _local
 from loc_opt.outer import plan as plan_lib
 
 PHASES = (False, 'group', 'global')
+GLOBAL_EXCHANGES = ('all', 'representatives')
+# The defaults of both levels, shared with the trainer
+# (``loc_opt.train.hierarchy``, ``configs/diloco_lm.py``): the group step
+# is DiLoCo's outer Nesterov step, the global step a plain merge (SGD with
+# rate 1, no momentum: the group anchors' mean), so momentum is not
+# stacked twice.
+GROUP_LEARNING_RATE = 0.7
+GROUP_MOMENTUM = 0.9
+GLOBAL_LEARNING_RATE = 1.0
+GLOBAL_MOMENTUM = 0.0
+
+
+def global_outer(learning_rate: float = GLOBAL_LEARNING_RATE,
+                 momentum: float = GLOBAL_MOMENTUM
+                 ) -> optax.GradientTransformation:
+  """The global outer optimizer: SGD at ``learning_rate`` (a merge at the
+  default 1.0), with Nesterov momentum when ``momentum > 0``."""
+  if not momentum:
+    return optax.sgd(learning_rate)
+  return _local.nesterov_outer(learning_rate, momentum)
 
 
 class HierarchicalDilocoState(NamedTuple):
@@ -200,19 +220,98 @@ def _group_delta(state: HierarchicalDilocoState, local: optax.Params, *,
                           group_size, seed, state.num_syncs)
 
 
+def representative_shifts(num_workers: int, group_size: int
+                          ) -> list[list[tuple[int, int]]]:
+  """The ``R - 1`` permutations (``R = M / G`` groups) that exchange the
+  groups' representatives (the first worker of each group): shift ``s``
+  sends worker ``g G`` to ``((g + s) mod R) G``."""
+  r = num_workers // group_size
+  return [[(g * group_size, ((g + s) % r) * group_size) for g in range(r)]
+          for s in range(1, r)]
+
+
+def _partial_ppermute(comm: compression.Comm, tree: Any,
+                      perm: list[tuple[int, int]], num_workers: int) -> Any:
+  """``comm.ppermute`` with pairs for some workers only (the others
+  receive zeros). Under ``vmap``, whose ``ppermute`` takes only a
+  permutation of the whole axis, the other workers keep their own value
+  (a copy, no transfer) and receive zeros after it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if comm.axis_name in (getattr(mesh, 'manual_axes', ()) or ()):
+    return comm.ppermute(tree, perm)
+  targets = {d for _, d in perm}
+  sources = {s for s, _ in perm}
+  rest = [i for i in range(num_workers) if i not in sources]
+  idle = [i for i in range(num_workers) if i not in targets]
+  full = list(perm) + list(zip(rest, idle))
+  out = comm.ppermute(tree, full)
+  hit = jnp.isin(comm.index(), jnp.asarray(sorted(targets)))
+  return jax.tree.map(lambda x: jnp.where(hit, x, jnp.zeros_like(x)), out)
+
+
+def representatives_mean(tree: Any, comm: compression.Comm,
+                         group_size: int) -> Any:
+  """TreeLoCo's cross-group mean: the mean over groups of ``tree`` (equal
+  on the members of a group), exchanged among the groups' first workers
+  only (``R - 1`` point-to-point shifts, so each representative sends
+  ``(R - 1)`` copies and no other worker sends anything across groups),
+  summed in the groups' order (bit-identical on every representative),
+  then sent from each representative to its ``G - 1`` members (shifts
+  inside the group). Non-finite groups are left out (a count travels
+  with the values); with none finite the mean is 0."""
+  m = jax.lax.axis_size(comm.bound_axis)
+  if m % group_size:
+    raise ValueError(f'group_size={group_size} does not divide the {m} '
+                     'workers')
+  r = m // group_size
+  ok = _local.all_finite(tree)
+  payload = (jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)),
+                          tree), ok.astype(jnp.float32))
+  received = [payload] + [_partial_ppermute(comm, payload, perm, m)
+                          for perm in representative_shifts(m, group_size)]
+  group = comm.index() // group_size
+  # received[s] came from group (g - s) mod R: row j is received[(g-j) % R]
+  order = (group - jnp.arange(r)) % r
+
+  def total(*xs):
+    rows = jnp.stack(xs)[order]
+    out = rows[0]
+    for j in range(1, r):
+      out = out + rows[j]
+    return out
+
+  summed, count = jax.tree.map(total, *received)
+  inv = jnp.where(count > 0, 1. / jnp.maximum(count, 1.), 0.)
+  mean = jax.tree.map(lambda x: x * inv.astype(x.dtype), summed)
+  if group_size == 1:
+    return mean
+  copies = [mean] + [_partial_ppermute(
+      comm, mean, [(g * group_size, g * group_size + j) for g in range(r)], m)
+                     for j in range(1, group_size)]
+  member = comm.index() % group_size
+  return jax.tree.map(lambda *xs: jnp.stack(xs)[member], *copies)
+
+
 def _global_step(state: HierarchicalDilocoState, group_anchor: Any, *,
                  outer: optax.GradientTransformation,
                  compressor: compression.Compressor | None,
-                 comm: compression.Comm | None, seed: int
+                 comm: compression.Comm | None, seed: int,
+                 exchange: str = 'all', group_size: int = 1
                  ) -> dict[str, Any]:
   """The global sync's new fields: the groups' anchors merged (mean of
   ``phi - phi_g`` over every worker, through ``compressor`` if given, with
-  DiLoCo's guard against non-finite workers) and the global outer step."""
-  delta, _, codec_state, _ = _local.guarded_mean(
-      _local.pseudo_gradient(state.anchor, group_anchor),
-      state.codec_state, None, compressor=compressor, comm=comm,
-      seed=seed, index=state.num_global_syncs,
-      mean_fn=_local.identity if comm is None else comm.pmean)
+  DiLoCo's guard against non-finite workers; or, with ``exchange=
+  'representatives'``, over the groups' first workers only) and the global
+  outer step."""
+  delta = _local.pseudo_gradient(state.anchor, group_anchor)
+  if exchange == 'representatives' and comm is not None:
+    delta, codec_state = representatives_mean(delta, comm, group_size), \
+        state.codec_state
+  else:
+    delta, _, codec_state, _ = _local.guarded_mean(
+        delta, state.codec_state, None, compressor=compressor, comm=comm,
+        seed=seed, index=state.num_global_syncs,
+        mean_fn=_local.identity if comm is None else comm.pmean)
   updates, outer_state = outer.update(delta, state.outer_state, state.anchor)
   anchor = optax.apply_updates(state.anchor, updates)
   return _local.varying_fn(comm)(
@@ -236,6 +335,7 @@ def hierarchical_diloco(
     group_codec: compression.Scheme = None,
     group_error_feedback: str = 'none',
     group_ef_decay: float = 1.0,
+    global_exchange: str = 'all',
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-level DiLoCo over groups of workers.
 
@@ -259,7 +359,15 @@ def hierarchical_diloco(
 
   The global mean is an all-reduce over the whole worker axis (each worker
   of a group sends the same ``phi - phi_g``), through ``codec`` if given;
-  it is the only collective that crosses groups. The group mean is by
+  it is the only collective that crosses groups. With
+  ``global_exchange='representatives'`` (TreeLoCo's one representative per
+  group, after the vestiges in MuLoCo's code) only the first worker of
+  each group sends ``phi - phi_g`` across groups, by ``R - 1``
+  point-to-point shifts among the ``R = M / G`` representatives
+  (:func:`representatives_mean`), and forwards the mean to its members
+  inside the group: ``R (R - 1) n`` bytes cross groups per global sync
+  instead of the all-reduce's ``M n`` operands, ``G`` times fewer at
+  ``R = 2`` (read from the compiled program in the tests). The group mean is by
   ``G - 1`` point-to-point shifts inside each group: of the fp32
   pseudo-gradients, or, with ``group_codec`` ``C``, of their payloads,
 
@@ -293,10 +401,11 @@ def hierarchical_diloco(
       multiple of ``H1``.
     group_size: ``G``, consecutive workers per group; divides the worker
       count.
-    group_outer: the group outer optimizer (default
-      :func:`loc_opt.outer.nesterov_outer`).
-    outer: the global outer optimizer (default
-      :func:`loc_opt.outer.nesterov_outer`).
+    group_outer: the group outer optimizer (default Nesterov SGD, rate
+      :data:`GROUP_LEARNING_RATE` 0.7, momentum :data:`GROUP_MOMENTUM` 0.9).
+    outer: the global outer optimizer (default :func:`global_outer`: SGD
+      with rate 1 and no momentum, a plain merge of the group anchors; the
+      trainer's default too).
     axis_name: the worker axis; ``None`` for one worker (``G = 1``).
     anchor_dtype: the minimum precision of both anchors.
     codec: compress the global pseudo-gradients (as :func:`loc_opt.diloco`).
@@ -314,6 +423,9 @@ def hierarchical_diloco(
       float32 residual per worker in ``group_codec_state``), ``'ef21'`` or
       ``'econtrol'``; needs ``group_codec``.
     group_ef_decay: ``beta`` of ``'ef'``, in ``[0, 1]``.
+    global_exchange: ``'all'`` (the all-reduce over every worker) or
+      ``'representatives'`` (TreeLoCo: the groups' first workers only; no
+      global ``codec``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -337,14 +449,20 @@ def hierarchical_diloco(
   _checks.transformation(group_outer, 'group_outer', optional=True)
   h1, h2 = _check_periods(sync_every, global_sync_every)
   group_size = _checks.positive_int(group_size, 'group_size')
+  _checks.one_of(global_exchange, 'global_exchange', GLOBAL_EXCHANGES)
+  if global_exchange == 'representatives' and codec is not None:
+    raise ValueError("hierarchical_diloco(global_exchange='representatives')"
+                     ' sends the fp32 group deltas between representatives; '
+                     'it takes no global codec (use group_codec inside '
+                     "groups, or global_exchange='all')")
   if axis_name is None and (group_size > 1 or codec is not None
                             or group_codec is not None):
     raise ValueError('hierarchical_diloco with group_size > 1 or a codec '
                      'needs an axis_name')
   inner = optax.with_extra_args_support(inner)
-  group_outer = _local.nesterov_outer() if group_outer is None else \
-      group_outer
-  outer = _local.nesterov_outer() if outer is None else outer
+  group_outer = (_local.nesterov_outer(GROUP_LEARNING_RATE, GROUP_MOMENTUM)
+                 if group_outer is None else group_outer)
+  outer = global_outer() if outer is None else outer
   compressor = None if codec is None else compression.as_compressor(codec)
   group_scheme = group_compressor(group_codec, group_error_feedback,
                                        group_ef_decay)
@@ -364,7 +482,7 @@ def hierarchical_diloco(
 
   global_step = functools.partial(
       _global_step, outer=outer, compressor=compressor, comm=comm,
-      seed=codec_seed)
+      seed=codec_seed, exchange=global_exchange, group_size=group_size)
 
   def sync_step(state, params, local, phase):
     delta, group_codec_state = _group_delta(

@@ -6,7 +6,10 @@ sync every ``outer.sync_every`` steps (H1) with the shared outer optimizer
 (``outer.learning_rate``, ``momentum``, ``nesterov``), and every
 ``global_period x H1`` steps (H2) the groups merge with the global outer
 optimizer (``global_learning_rate``, ``global_momentum``; Nesterov when the
-momentum is positive), through ``outer.codec``. The group level may
+momentum is positive; the library's defaults, a plain merge, when absent),
+through ``outer.codec``, exchanged by every worker (``global_exchange=
+'all'``) or by one representative per group (``'representatives'``,
+TreeLoCo). The group level may
 send its pseudo-gradients through a codec of its own (``group_codec``,
 ``group_codec_kwargs``, ``group_error_feedback``, ``group_ef_decay``).
 
@@ -130,14 +133,17 @@ def plan(config: ml_collections.ConfigDict) -> outer_lib.Plan:
 
 def global_outer(config: ml_collections.ConfigDict
                  ) -> optax.GradientTransformation:
-  """The global outer optimizer of the section."""
-  lr = cfg_lib.learning_rate(_field(config, 'global_learning_rate'),
-                             f'outer.{SECTION}.global_learning_rate')
-  mu = cfg_lib.momentum(_field(config, 'global_momentum'),
+  """The global outer optimizer of the section
+  (:func:`loc_opt.outer.hierarchical.global_outer`; absent fields take the
+  library's defaults, a plain merge)."""
+  s = cfg_lib.section(config, SECTION)
+  lib = outer_lib.hierarchical
+  lr = cfg_lib.learning_rate(
+      s.get('global_learning_rate', lib.GLOBAL_LEARNING_RATE),
+      f'outer.{SECTION}.global_learning_rate')
+  mu = cfg_lib.momentum(s.get('global_momentum', lib.GLOBAL_MOMENTUM),
                         f'outer.{SECTION}.global_momentum')
-  if not mu:
-    return optax.sgd(lr)
-  return outer_lib.nesterov_outer(lr, mu)
+  return lib.global_outer(lr, mu)
 
 
 def build(config: ml_collections.ConfigDict,
@@ -151,7 +157,9 @@ def build(config: ml_collections.ConfigDict,
       group_outer=cfg_lib.outer_optimizer(config),
       outer=global_outer(config), axis_name=axis_name,
       codec=cfg_lib.make_compressor(config),
-      group_codec=group_compressor(config))
+      group_codec=group_compressor(config),
+      global_exchange=cfg_lib.section(config, SECTION).get(
+          'global_exchange', 'all'))
 
 
 def two_level_seconds(report: parallel.CollectiveReport, group_size: int,

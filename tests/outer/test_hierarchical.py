@@ -27,7 +27,8 @@ def test_one_group_with_averaging_is_flat_diloco():
   # G = M and a plain-averaging group step: the global step at H2 = H1 is
   # DiLoCo's outer step on the mean pseudo-gradient.
   got, _ = helpers.run_workers(
-      _hier(3, 3, M, group_outer=optax.sgd(1.0)), 10)
+      _hier(3, 3, M, group_outer=optax.sgd(1.0),
+            outer=loc_opt.outer.nesterov_outer()), 10)
   want, _ = helpers.run_workers(
       loc_opt.diloco(optax.adam(1e-2), sync_every=3), 10)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
@@ -35,7 +36,8 @@ def test_one_group_with_averaging_is_flat_diloco():
 
 def test_groups_of_one_are_flat_diloco_at_h2():
   got, _ = helpers.run_workers(
-      _hier(2, 6, 1, group_outer=optax.sgd(1.0)), 13)
+      _hier(2, 6, 1, group_outer=optax.sgd(1.0),
+            outer=loc_opt.outer.nesterov_outer()), 13)
   want, _ = helpers.run_workers(
       loc_opt.diloco(optax.adam(1e-2), sync_every=6), 13)
   conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
@@ -124,6 +126,75 @@ def test_bytes_cross_groups_only_on_global_syncs():
                      reduce_fn=parallel.worker_mean()),
       helpers.stack(helpers.tile_params()), True, helpers.worker_mesh())
   assert flat.cross_group_bytes(2) == flat.cross_worker_bytes > 0
+
+
+@pytest.mark.parametrize('g', [1, 2])
+def test_treeloco_representatives_give_the_same_model(g):
+  # TreeLoCo's exchange among the groups' first workers is the same mean
+  # over groups as the all-reduce (each group's members hold one anchor).
+  got, state = helpers.run_workers(
+      _hier(2, 4, g, global_exchange='representatives'), 9)
+  want, want_state = helpers.run_workers(_hier(2, 4, g), 9)
+  conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  conf.assert_trees_close(state.anchor, want_state.anchor, rtol=1e-5,
+                          atol=1e-6)
+  # equal on every worker (up to an ulp: under vmap the per-worker outer
+  # step is vectorized over workers, and XLA's CPU lanes may round apart)
+  for leaf in jax.tree.leaves(state.anchor):
+    np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape),
+                               rtol=1e-6, atol=0)
+  sharded, _ = helpers.run_sharded(
+      _hier(2, 4, g, global_exchange='representatives'), 9)
+  conf.assert_trees_close(sharded, want, rtol=1e-5, atol=1e-6)
+
+
+def test_treeloco_bytes_between_groups_from_the_hlo():
+  n = 4 * sum(x.size for x in jax.tree.leaves(helpers.tile_params()))
+  flat = _reports(_hier(2, 4, 2))['global']
+  tree = _reports(_hier(2, 4, 2, global_exchange='representatives'))
+  glob = tree['global']
+  # R = 2 groups: one shift between the two representatives (workers 0
+  # and 2), n bytes each; the all-reduce's operands are n on every worker.
+  crossing = [c for c in glob.collectives
+              if c.branch is None and c.crosses_groups(2)]
+  assert {c.kind for c in crossing} == {'collective-permute'}
+  assert all(set(c.worker_groups) <= {(0, 2), (2, 0), (0,), (2,)}
+             for c in crossing), [c.worker_groups for c in crossing]
+  np.testing.assert_allclose(glob.cross_group_bytes(2), 2 * n, rtol=0.05)
+  np.testing.assert_allclose(flat.cross_group_bytes(2), M * n, rtol=0.05)
+  assert glob.cross_group_bytes(2) * 2 == pytest.approx(
+      flat.cross_group_bytes(2), rel=0.05)  # G times fewer
+  assert tree['group'].cross_group_bytes(2) == 0
+  with pytest.raises(ValueError, match='takes no global codec'):
+    _hier(2, 4, 2, global_exchange='representatives', codec='int8')
+  with pytest.raises(ValueError, match='global_exchange must be one of'):
+    _hier(2, 4, 2, global_exchange='tree')
+
+
+def test_library_and_trainer_share_the_defaults():
+  # The library's outer=None and the trainer's global step are one merge
+  # (SGD rate 1, no momentum): a global sync at H2 = H1 with groups of one
+  # and plain group steps lands on the workers' mean, as local SGD does.
+  from configs import diloco_lm  # pylint: disable=g-import-not-at-top
+  s = diloco_lm.get_config().outer.hierarchical_diloco
+  assert (s.global_learning_rate, s.global_momentum) == (
+      hierarchical.GLOBAL_LEARNING_RATE, hierarchical.GLOBAL_MOMENTUM) == (
+          1.0, 0.0)
+  got, _ = helpers.run_workers(_hier(2, 2, 1, group_outer=optax.sgd(1.0)), 6)
+  want, _ = helpers.run_workers(
+      loc_opt.outer.local_sgd(optax.adam(1e-2), sync_every=2), 6)
+  conf.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  c = diloco_lm.get_config()
+  c.outer.hierarchical_diloco.global_momentum = 0.5
+  outer = hierarchy.global_outer(c)
+  p = {'w': np.ones(2, np.float32)}
+  u, _ = outer.update({'w': np.ones(2, np.float32)}, outer.init(p), p)
+  np.testing.assert_allclose(u['w'], -1.5)  # Nesterov: -(g + mu g)
+  del c.outer.hierarchical_diloco['global_learning_rate']
+  del c.outer.hierarchical_diloco['global_momentum']
+  outer = hierarchy.global_outer(c)
+  u, _ = outer.update({'w': np.ones(2, np.float32)}, outer.init(p), p)
+  np.testing.assert_allclose(u['w'], -1.)  # absent: the library's merge
 
 
 def test_two_link_wallclock():
