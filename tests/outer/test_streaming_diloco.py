@@ -312,7 +312,8 @@ def test_fp4_codec_sends_through_each_fragment():
       optax.adam(1e-2), sync_every=4, fragments={'w': 1, 'b': 0}, overlap=0)
   params, state = helpers.run_workers(tx, 2)  # fragment 1 ('w') synced once
   want, _ = helpers.run_workers(exact, 2)
-  # Workers agree after the sync; fp4 lands near the exact mean.
+  # Workers agree after the sync (one mean, the same operations on every
+  # worker: bit for bit); fp4 lands near the exact mean.
   np.testing.assert_array_equal(params['w'][0], params['w'][3])
   np.testing.assert_allclose(params['w'], want['w'], atol=0.05)
   # The error buffer of 'w' holds the rounding error; 'b' was not sent.
