@@ -25,14 +25,17 @@ SIZES = {
 METHODS = {
     'dp': ('data-parallel', 1, {'outer__method': 'data_parallel'}),
     'diloco_m1': ('DiLoCo M=1', 1, {'outer__method': 'diloco'}),
+    'diloco_m2': ('DiLoCo M=2', 2, {'outer__method': 'diloco'}),
     'diloco_m4': ('DiLoCo M=4', 4, {'outer__method': 'diloco'}),
 }
 
 
-def run_name(size, method, knob, seed, inner=None):
+def run_name(size, method, knob, seed, inner=None, momentum=None):
   """The run directory's name; ``inner`` is DiLoCo's inner learning rate
-  where it is not the config's (runs at the config's keep the short name)."""
+  and ``momentum`` its outer momentum where not the config's (runs at the
+  config's keep the short name)."""
   tail = '' if inner is None else f'_i{inner:g}'
+  tail += '' if momentum is None else f'_m{momentum:g}'
   return f'{size}_{method}_{knob:g}_s{seed}{tail}'
 
 
@@ -116,9 +119,52 @@ def format_bytes(n: float) -> str:
 
 
 def setting(row) -> tuple[float, float | None]:
-  """A row's tuned setting: ``(knob, inner)``; ``inner`` is DiLoCo's inner
-  learning rate where it is not the config's, else None."""
+  """A row's tuned setting: ``(knob, inner)``, or ``(knob, inner,
+  momentum)`` for a DiLoCo row whose outer momentum is not the config's;
+  ``inner`` is DiLoCo's inner learning rate where it is not the config's,
+  else None."""
+  if row.get('outer_momentum') is not None:
+    return row['knob'], row.get('inner_lr'), row['outer_momentum']
   return row['knob'], row.get('inner_lr')
+
+
+def local_search(axes, losses):
+  """The next settings to run so that the best one is a local minimum of
+  the grid, or ``[]`` once it is.
+
+  A pattern search on a grid: the best setting run so far (the first of
+  ``axes``' values' product order while nothing has run) must have each of
+  its neighbours on every axis (the next lower and higher value) run too;
+  a neighbour that wins becomes the best and its neighbours are wanted in
+  turn. It tunes with few runs when a good start is known (the first value
+  of each axis) and never calls an edge of what was run the best when the
+  grid goes further.
+
+  Args:
+    axes: one sequence of values per tuned knob; the first value of each is
+      the start, the values' numeric order defines the neighbours.
+    losses: ``{setting tuple: final eval loss}`` of the settings run so far
+      (settings off the grid are ignored).
+
+  Returns:
+    The wanted settings (tuples), nearest first, axes in order.
+  """
+  grids = [sorted(set(a)) for a in axes]
+  on_grid = {k: v for k, v in losses.items()
+             if len(k) == len(grids) and all(x in g for x, g in
+                                              zip(k, grids))}
+  if not on_grid:
+    return [tuple(a[0] for a in axes)]
+  best = min(on_grid, key=on_grid.get)
+  wanted = []
+  for i, grid in enumerate(grids):
+    j = grid.index(best[i])
+    for k in (j - 1, j + 1):
+      if 0 <= k < len(grid):
+        point = best[:i] + (grid[k],) + best[i + 1:]
+        if point not in on_grid:
+          wanted.append(point)
+  return wanted
 
 
 def claims_best(rows, size: str, method: str):
@@ -142,10 +188,23 @@ def claims_summary(rows, size: str, method: str):
 
 
 def _setting_text(best) -> str:
-  knob, inner = best
-  if inner is None:
-    return f'{knob:g}'
-  return f'{knob:g} at inner {inner:g}'
+  knob, inner, *momentum = best
+  text = f'{knob:g}' if inner is None else f'{knob:g} at inner {inner:g}'
+  return text + (f', momentum {momentum[0]:g}' if momentum else '')
+
+
+def _search_text(s) -> str:
+  """The tuning of a ``--search=local`` study, in words ('' for a grid)."""
+  if s.get('search') != 'local':
+    return ''
+  inner = s['knobs'].get('method_inner', {})
+  momenta = s['knobs'].get('outer_momenta')
+  return ('Local search: from the best setting of the 600-step grid, the '
+          'grid neighbours of each best setting until it is a local minimum '
+          '(not every cell)'
+          + (f'; outer momentum over {momenta}' if momenta else '')
+          + ''.join(f'; {m} inner lr {v:g}' for m, v in inner.items())
+          + '. ')
 
 
 def _mean_spread(losses: list[float]) -> str:
@@ -162,18 +221,20 @@ def claims_main(data: dict[str, Any]) -> str:
   res = data['results']
   s, rows = res['setup'], res['rows']
   methods = s['methods']
+  gaps = [m for m in methods if m != 'dp']  # DiLoCo M=1, M=2, M=4
   lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
            f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
            f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
            f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
            f'{s["knobs"]["diloco_m1"]} at inner lr '
            f'{s["knobs"].get("diloco_inner", [s["inner_learning_rate"]])} '
-           f'(the config\'s: {s["inner_learning_rate"]:g}). Final eval loss of '
+           f'(the config\'s: {s["inner_learning_rate"]:g}). '
+           + _search_text(s) + 'Final eval loss of '
            'each method\'s best setting (tuned values in brackets), mean ± '
            'half the range over seeds.', '',
-           '| size (params) | ' + ' | '.join(methods.values())
-           + ' | M=1 vs DP | M=4 vs DP | devices |',
-           '|---|' + '---|' * (len(methods) + 3)]
+           '| size (params) | ' + ' | '.join(methods.values()) + ' | '
+           + ''.join(f'{methods[m][7:]} vs DP | ' for m in gaps)
+           + 'devices |', '|---|' + '---|' * (len(methods) + len(gaps) + 1)]
   for size in s['sizes']:
     params = [r['num_params'] for r in rows if r['size'] == size]
     if not params:
@@ -188,7 +249,7 @@ def claims_main(data: dict[str, Any]) -> str:
       means[m] = sum(losses) / len(losses)
       cells.append(f'{_mean_spread(losses)} '
                    f'[{_setting_text(best)}]')
-    for m in ('diloco_m1', 'diloco_m4'):
+    for m in gaps:
       cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
                    if m in means and 'dp' in means else '')
     cells.append(_devices([r for r in rows if r['size'] == size]))
@@ -265,7 +326,7 @@ def _pending_summary(pending) -> str:
   for name in pending:
     size, rest = name.split('_', 1) if '_' in name else (name, '')
     method = next((m for m in METHODS if rest.startswith(m + '_')), None)
-    seed = re.search(r'_s(\d+)(?:_i|$)', rest)
+    seed = re.search(r'_s(\d+)(?:_i|_m|$)', rest)
     if size in SIZES and method is not None and seed and seed.group(1) != '0':
       seeds.setdefault((size, method), []).append(seed.group(1))
     elif size in SIZES and method is not None:
@@ -315,6 +376,8 @@ def claims_sweep(data: dict[str, Any]) -> str:
     what = ('inner lr ' if r['method'] == 'dp' else 'outer lr ')
     inner = ('' if r.get('inner_lr') is None
              else f', inner lr {r["inner_lr"]:g}')
+    if r.get('outer_momentum') is not None:
+      inner += f', momentum {r["outer_momentum"]:g}'
     lines.append(f'| {r["size"]} | {res["setup"]["methods"][r["method"]]} | '
                  f'{what}{r["knob"]:g}{inner} | {r["final_eval_loss"]:.4f} | '
                  f'{_bytes_cell(r)} | '

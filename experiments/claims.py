@@ -25,6 +25,15 @@ then the best setting of each method is rerun with the extra seeds
 ``--seeds`` (model initialisation and data order), and the table reports
 its mean and spread (half the range) over all its seeds.
 
+``--search=local`` runs fewer settings, for budgets where one run takes an
+hour (20 tokens per parameter and more): from a start (the first value of
+each list, e.g. the best of the 600-step grid) it runs the grid neighbours
+of the best setting so far until the best is a local minimum of the grid
+(``_claims.local_search``), methods taking turns; DiLoCo tunes its outer
+learning rate and its outer momentum (``--outer_momenta``) at one inner
+rate per method (``--method_inner_lrs``), data-parallel its learning rate.
+Then the seeds of each best setting. ``diloco_m2`` (M = 2) is a method too.
+
   python -m experiments.claims --workdir=/work/runs/claims \
     [--sizes=0.5M,2M,8M] [--num_steps=600] [--sync_every=30]
 
@@ -73,6 +82,17 @@ _INNER_LRS = flags.DEFINE_list(
     'diloco_inner_lrs', ['3e-3', '6e-3', '1.2e-2'],
     'DiLoCo inner (AdamW) peak learning rates, each with every outer lr; the '
     'DiLoCo scaling-law paper tunes them apart from data-parallel\'s.')
+_MOMENTA = flags.DEFINE_list(
+    'outer_momenta', [], 'DiLoCo outer momenta (each with every outer lr); '
+    'empty: the config\'s only.')
+_METHOD_INNER = flags.DEFINE_list(
+    'method_inner_lrs', [], 'METHOD=LR pairs: with --search=local, the one '
+    'inner lr of that DiLoCo method (default: the first of '
+    '--diloco_inner_lrs).')
+_SEARCH = flags.DEFINE_enum(
+    'search', 'grid', ['grid', 'local'], 'grid: every setting, then the '
+    'seeds; local: the neighbours of the best setting until it is a local '
+    'minimum of the grid (fewer runs), then the seeds.')
 _SEEDS = flags.DEFINE_list('seeds', ['1', '2'],
                            'Extra seeds of each method\'s best setting.')
 _METHODS = flags.DEFINE_list('methods', ['dp', 'diloco_m1', 'diloco_m4'],
@@ -105,9 +125,10 @@ def _floats(values, flag):
     raise app.UsageError(f'--{flag} takes numbers, got {values}') from e
 
 
-def _config(base, size, method, knob, seed, inner=None):
+def _config(base, size, method, knob, seed, inner=None, momentum=None):
   """The run's config: ``knob`` is the tuned value (dp: inner lr; DiLoCo:
-  outer lr), ``inner`` DiLoCo's inner lr where not the config's."""
+  outer lr), ``inner`` DiLoCo's inner lr and ``momentum`` its outer
+  momentum where not the config's."""
   _, workers, overrides = METHODS[method]
   devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
              * base.mesh.tensor)
@@ -128,28 +149,33 @@ def _config(base, size, method, knob, seed, inner=None):
     fields['outer__learning_rate'] = knob
     if inner is not None:
       fields['optimizer__learning_rate'] = inner
+    if momentum is not None:
+      fields['outer__momentum'] = momentum
   return _runs.variant(base, **fields)
 
 
 class _Study:
   """Runs (or reads back) the grid and writes the results after each."""
 
-  def __init__(self, base, sizes, knobs, imported=()):
+  def __init__(self, base, sizes, knobs, imported=(), methods=()):
     self.base, self.sizes, self.knobs = base, sizes, knobs
+    self.methods = list(methods)
     self.rows: list[dict] = list(imported)
     self.imported = {r['name'] for r in imported}
     self.device = _device()
 
-  def run(self, size, method, knob, seed, inner=None):
-    name = _claims.run_name(size, method, knob, seed, inner)
+  def run(self, size, method, knob, seed, inner=None, momentum=None):
+    name = _claims.run_name(size, method, knob, seed, inner, momentum)
     if name in self.imported:
       return None
-    c = _config(self.base, size, method, knob, seed, inner)
+    c = _config(self.base, size, method, knob, seed, inner, momentum)
     at = '' if inner is None else f' at inner {inner:g}'
+    at += '' if momentum is None else f', momentum {momentum:g}'
     label = f'{size} {METHODS[method][0]}, {knob:g}{at}, seed {seed}'
     s = _runs.run(c, os.path.join(_WORKDIR.value, name), label)
     row = {'name': name, 'size': size, 'method': method, 'knob': knob,
            'inner_lr': inner, 'seed': seed, 'num_params': s['num_params'],
+           'outer_momentum': momentum,
            'final_eval_loss': s['final_eval_loss'],
            'cross_worker_bytes': s['cross_worker_bytes'],
            'syncs': s['syncs'], 'steps': s['step'], 'device': self.device,
@@ -170,7 +196,10 @@ class _Study:
              'knobs': self.knobs,
              'sizes': {k: v for k, v in SIZES.items() if k in self.sizes
                        or any(r['size'] == k for r in self.rows)},
-             'methods': {k: v[0] for k, v in METHODS.items()}}
+             'methods': {k: v[0] for k, v in METHODS.items()
+                         if k in self.methods
+                         or any(r['method'] == k for r in self.rows)},
+             'search': _SEARCH.value}
     results = {'setup': setup, 'rows': self.rows, 'pending': pending}
     _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 tables.render('claims', 'main', {'results': results}),
@@ -205,22 +234,35 @@ def main(argv):
                            f'divide the config\'s {devices} devices')
   knobs = {'dp': _floats(_DP_LRS.value, 'dp_lrs'),
            'diloco_m1': _floats(_OUTER_LRS.value, 'outer_lrs'),
+           'diloco_m2': _floats(_OUTER_LRS.value, 'outer_lrs'),
            'diloco_m4': _floats(_OUTER_LRS.value, 'outer_lrs'),
            'diloco_inner': _floats(_INNER_LRS.value, 'diloco_inner_lrs')}
-  # DiLoCo runs at the config's inner lr keep their names (inner None).
+  if _MOMENTA.value:
+    knobs['outer_momenta'] = _floats(_MOMENTA.value, 'outer_momenta')
+  # DiLoCo runs at the config's inner lr (and outer momentum) keep their
+  # names (None).
   inners = [None if lr == base.optimizer.learning_rate else lr
             for lr in knobs['diloco_inner']]
+  momenta = [None if mo == base.outer.momentum else mo
+             for mo in knobs.get('outer_momenta', [base.outer.momentum])]
   seeds = [int(s) for s in _SEEDS.value]
   try:
     imported = _claims.import_rows(_IMPORT.value)
+    method_inner = _method_inner(_METHOD_INNER.value, base)
   except ValueError as e:
-    raise app.UsageError(f'--import_results: {e}') from e
-  study = _Study(base, _SIZES.value, knobs, imported)
+    raise app.UsageError(f'--import_results / --method_inner_lrs: {e}') from e
+  study = _Study(base, _SIZES.value, knobs, imported, methods)
 
   def grid(size, m):
     if m == 'dp':
       return [(size, m, k, 0, None) for k in knobs[m]]
-    return [(size, m, k, 0, i) for i in inners for k in knobs[m]]
+    return [(size, m, k, 0, i, mo) for i in inners for mo in momenta
+            for k in knobs[m]]
+
+  if _SEARCH.value == 'local':
+    inner_of = {m: method_inner.get(m, inners[0]) for m in methods}
+    _local(study, methods, knobs, momenta, inner_of, seeds, base)
+    return
 
   # Sweeps of every size first (seed 0), smallest first, then the seeds.
   todo = [j for size in _SIZES.value for m in methods for j in grid(size, m)]
@@ -233,7 +275,7 @@ def main(argv):
       for m in methods:
         best = _claims.claims_best(study.rows, size, m)
         if best is not None:
-          jobs += [(size, m, best[0], s, best[1]) for s in seeds]
+          jobs += [(size, m, best[0], s, *best[1:]) for s in seeds]
     done = {r['name'] for r in study.rows}
     return [j for j in jobs if _claims.run_name(*j) not in done]
 
@@ -254,6 +296,84 @@ def main(argv):
     study.write(pending([]))
   if not extra:
     study.write(pending([]))
+
+def _method_inner(pairs, base) -> dict[str, float | None]:
+  """``--method_inner_lrs`` as ``{method: inner lr or None (the
+  config's)}``."""
+  out = {}
+  for pair in pairs:
+    method, _, value = pair.partition('=')
+    if method not in METHODS or method == 'dp' or not value:
+      raise ValueError(f'{pair!r} is not DILOCO_METHOD=LR with a method of '
+                       f'{[m for m in METHODS if m != "dp"]}')
+    lr = float(value)
+    out[method] = None if lr == base.optimizer.learning_rate else lr
+  return out
+
+
+def _local(study, methods, knobs, momenta, inner_of, seeds, base):
+  """``--search=local``: each method's grid neighbours of its best setting
+  until the best is a local minimum (methods taking turns), then each best
+  setting's seeds; the results rewritten after every run."""
+  sizes = _SIZES.value
+  default_momentum = base.outer.momentum
+  study.knobs['method_inner'] = {
+      m: base.optimizer.learning_rate if inner_of[m] is None else inner_of[m]
+      for m in methods if m != 'dp'}
+
+  def axes(m):  # DiLoCo: (outer momentum, outer lr), momentum tried first
+    if m == 'dp':
+      return [knobs['dp']]
+    return [[default_momentum if mo is None else mo for mo in momenta],
+            knobs[m]]
+
+  def job(size, m, point, seed):
+    if m == 'dp':
+      return (size, m, point[0], seed, None)
+    mo = None if point[0] == default_momentum else point[0]
+    return (size, m, point[1], seed, inner_of[m], mo)
+
+  def losses(size, m):
+    out = {}
+    for r in study.rows:
+      if r['size'] != size or r['method'] != m or r['seed'] != 0:
+        continue
+      if m == 'dp':
+        out[(r['knob'],)] = r['final_eval_loss']
+      elif r.get('inner_lr') == inner_of[m]:
+        mo = r.get('outer_momentum')
+        out[(default_momentum if mo is None else mo, r['knob'])] = (
+            r['final_eval_loss'])
+    return out
+
+  def wanted():
+    """Per (size, method): the settings still to try, else the seeds of
+    its best setting not run yet."""
+    done = {r['name'] for r in study.rows} | study.imported
+    out = []
+    for size in sizes:
+      for m in methods:
+        got = losses(size, m)
+        points = _claims.local_search(axes(m), got)
+        if points:
+          out.append([job(size, m, p, 0) for p in points])
+          continue
+        best = min(got, key=got.get)
+        left = [job(size, m, best, s) for s in seeds]
+        left = [j for j in left if _claims.run_name(*j) not in done]
+        if left:
+          out.append(left)
+    return out
+
+  turn = 0
+  while True:
+    lists = wanted()
+    study.write([_claims.run_name(*j) for jobs in lists for j in jobs])
+    if _MERGE_ONLY.value or not lists:
+      return
+    study.run(*lists[turn % len(lists)][0])
+    turn += 1
+
 
 if __name__ == '__main__':
   app.run(main)

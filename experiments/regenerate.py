@@ -137,14 +137,22 @@ BENCHMARKS: dict[str, Benchmark] = {
                 'claims_cpu/8M_diloco_m4', 'claims_cpu/8M_diloco_m1_seeds',
                 'claims_cpu/8M_diloco_m4_seeds'))),
                         'docs/claims.md'),
-    # Data-parallel against M = 1 at 0.5M with 4x the tokens (2400 steps,
-    # about 20 tokens per parameter, the paper's budget), each at its best
-    # setting of the 600-step sweep; one device each, so both fit 2 cores.
+    # Claim 1 at 0.5M with 4x the tokens (2400 steps, 21 tokens per
+    # parameter, the paper's budget; H = 30): a local search from each
+    # method's best setting of the 600-step grid (data-parallel lr; DiLoCo
+    # outer lr and momentum), then 3 seeds of each best; one device (the
+    # workers stacked), so two such processes fit 2 cores. Days of CPU.
     'claims_long': Benchmark('claims', (
         '--results_name=claims_long', '--sizes=0.5M', '--num_steps=2400',
-        '--methods=dp,diloco_m1', '--dp_lrs=1.2e-2', '--outer_lrs=0.4',
-        '--diloco_inner_lrs=6e-3', '--seeds=', '--cpu_devices=1',
-        '--config.mesh.workers=1', '--config.mesh.data=1'), 'docs/claims.md'),
+        '--search=local', '--methods=dp,diloco_m1,diloco_m4,diloco_m2',
+        '--dp_lrs=1.2e-2,2.4e-2,6e-3,3e-3', '--outer_lrs=0.7,0.4,1.0,0.2',
+        '--outer_momenta=0.9,0.5,0.3', '--diloco_inner_lrs=3e-3',
+        '--method_inner_lrs=diloco_m1=6e-3', '--seeds=1,2',
+        '--simulate_workers', '--cpu_devices=1', '--config.mesh.workers=1',
+        '--config.mesh.data=1'), 'docs/claims.md'),
+    # The bytes-at-quality frontier at the same budget (0.5M, M = 4 on 4
+    # devices, bytes from the compiled programs), knobs tuned: days of CPU.
+    'frontier': Benchmark('frontier', ('--tune',), 'docs/claims.md'),
 }
 
 

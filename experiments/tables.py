@@ -34,6 +34,7 @@ from experiments import _ckpt_tables
 from experiments import _claims
 from experiments import _compress_tables
 from experiments import _fault_tables
+from experiments import _frontier_tables
 from experiments import _sharding_tables
 from experiments import _small_tables
 from experiments import _train_tables
@@ -332,6 +333,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('claims', 'main'): _claims.claims_main,
     ('claims', 'sweep'): _claims.claims_sweep,
     ('claims_long', 'main'): _claims.claims_main,
+    ('frontier', 'main'): _frontier_tables.frontier_main,
     ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
     ('outer_sweep_own', 'main'): outer_sweep_main,
@@ -376,13 +378,14 @@ FIGURES: dict[str, tuple[Callable[..., None], str]] = {
     'diloco_family': (diloco_family_figure, 'figures/diloco_family.png'),
     'claims': (_claims.claims_figure, 'figures/claims.png'),
     'claims_long': (_claims.claims_figure, 'figures/claims_long.png'),
+    'frontier': (_frontier_tables.frontier_figure, 'figures/frontier.png'),
     'compression_tradeoff': (_compress_tables.compression_figure,
                              'figures/compression_loss_vs_bytes.png'),
     'decoupled': (_fault_tables.decoupled_figure, 'figures/decoupled.png'),
 }
 # Figures drawn from what has finished while runs are still pending (the
 # table under them lists what is left).
-DRAW_WHILE_PENDING = frozenset({'claims'})
+DRAW_WHILE_PENDING = frozenset({'claims', 'claims_long', 'frontier'})
 
 
 def _local_corpus(data: dict[str, Any], cache: dict[str, Any]) -> Any:

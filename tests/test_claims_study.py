@@ -71,7 +71,8 @@ def test_claims_table_names_the_devices_of_each_size():
            'outer_momentum': 0.9, 'inner_learning_rate': 3e-3,
            'knobs': {'dp': [3e-3], 'diloco_m1': [0.4], 'diloco_m4': [0.7]},
            'sizes': {'0.5M': {}, '2M': {}},
-           'methods': {k: v[0] for k, v in _claims.METHODS.items()}}
+           'methods': {k: v[0] for k, v in _claims.METHODS.items()
+                       if k != 'diloco_m2'}}
   text = _claims.claims_main({'results': {'setup': setup,
                                                 'rows': rows}})
   lines = {line.split(' ')[1]: line for line in text.split('\n')
@@ -195,3 +196,44 @@ def test_outer_sweep_grid_point_reaches_each_methods_outer_step():
   kwargs = registry.METHODS['noloco'].library_kwargs(noloco)[outer_lib.noloco]
   assert kwargs['momentum'] == 0.15
   assert base.outer.co2.momentum != 0.15  # the base is left alone
+
+
+def test_local_search_runs_neighbours_until_the_best_is_a_local_minimum():
+  axes = [[0.9, 0.5, 0.3], [0.7, 0.4, 1.0, 0.2]]
+  assert _claims.local_search(axes, {}) == [(0.9, 0.7)]  # the start
+  # From the start: the momentum neighbour first, then the lr neighbours.
+  assert _claims.local_search(axes, {(0.9, 0.7): 1.3}) == [
+      (0.5, 0.7), (0.9, 0.4), (0.9, 1.0)]
+  # A winning neighbour becomes the best; its own neighbours are wanted.
+  losses = {(0.9, 0.7): 1.3, (0.5, 0.7): 1.2, (0.9, 0.4): 1.35,
+            (0.9, 1.0): 1.4}
+  assert _claims.local_search(axes, losses) == [
+      (0.3, 0.7), (0.5, 0.4), (0.5, 1.0)]
+  losses.update({(0.3, 0.7): 1.25, (0.5, 0.4): 1.21, (0.5, 1.0): 1.22})
+  assert _claims.local_search(axes, losses) == []  # (0.5, 0.7) is a minimum
+  # Settings off the grid (another inner lr, say) do not count.
+  assert _claims.local_search([[1e-2, 5e-3]], {(3e-3,): 1.0}) == [(1e-2,)]
+
+
+def test_claims_table_gaps_of_m2_and_outer_momentum_settings():
+  rows = [_row('0.5M', 'dp', 6e-3, 0, 1.25, 'cpu'),
+          dict(_row('0.5M', 'diloco_m2', 0.7, 0, 1.30, 'cpu'),
+               outer_momentum=0.5),
+          dict(_row('0.5M', 'diloco_m2', 0.7, 0, 1.40, 'cpu'),
+               name='0.5M_diloco_m2_0.7_s0')]
+  rows[1]['name'] = _claims.run_name('0.5M', 'diloco_m2', 0.7, 0, None, 0.5)
+  assert rows[1]['name'] == '0.5M_diloco_m2_0.7_s0_m0.5'
+  setup = {'num_steps': 2400, 'batch_size': 32, 'seq_len': 128,
+           'sync_every': 30, 'outer_momentum': 0.9,
+           'inner_learning_rate': 3e-3, 'sizes': {'0.5M': {}},
+           'knobs': {'dp': [6e-3], 'diloco_m1': [0.7],
+                     'outer_momenta': [0.9, 0.5],
+                     'method_inner': {'diloco_m2': 3e-3}},
+           'methods': {'dp': 'data-parallel', 'diloco_m2': 'DiLoCo M=2'},
+           'search': 'local'}
+  text = _claims.claims_main({'results': {
+      'setup': setup, 'rows': rows,
+      'pending': ['0.5M_diloco_m2_0.7_s1_m0.5']}})
+  assert '| M=2 vs DP |' in text and '+4.00%' in text
+  assert '[0.7, momentum 0.5]' in text and 'Local search' in text
+  assert 'DiLoCo M=2: seed 1 of the best setting' in text
