@@ -29,6 +29,7 @@ from loc_opt.train import faults
 from loc_opt.train import hosts
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import preemption
+from loc_opt.train import records as records_lib
 from loc_opt.train import routing as routing_lib
 from loc_opt.train import simulated_time
 from loc_opt.train import workdir_lock
@@ -117,6 +118,7 @@ class _Logger:
     self.eval_batches, self.progress = eval_batches, progress
     self.tokens_per_step = self.config.batch_size * self.config.data.seq_len
     self.last_time, self.last_step = time.perf_counter(), start
+    self.first_step = start
     self.train_time = 0.0
     self.loss = float('nan')
     self.last_eval = None
@@ -253,13 +255,18 @@ def _summary(exp, config, counters, logger, workdir, compile_s
   records = metrics_lib.read_metrics(workdir) if hosts.is_writer() else []
   evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
   evals = evals or [e for e in [logger.last_eval] if e is not None]
+  losses = [r['train/loss'] for r in records if 'train/loss' in r]
+  # A run that logged nothing itself (resumed at its last step) reports
+  # the last loss its records hold.
+  train_loss = (logger.loss if logger.last_step > logger.first_step
+                or not losses else losses[-1])
   dp_step = (nbytes[exp.plan.inner] if not exp.method.per_worker else
              exp_lib.data_parallel_bytes_per_step(config))
   summary = {
       'step': counters.step, 'finished': True,
       'method': config.outer.method,
       'final_eval_loss': evals[-1] if evals else None,
-      'final_train_loss': logger.loss,
+      'final_train_loss': train_loss,
       'cross_worker_bytes': counters.cross_worker_bytes,
       'syncs': counters.syncs,
       'bad_steps': counters.bad_steps,
@@ -288,10 +295,26 @@ def _summary(exp, config, counters, logger, workdir, compile_s
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
-  """Writes ``value`` to ``path`` atomically (a temporary file, renamed)."""
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(json.dumps(value, indent=2))
-  os.replace(tmp, path)
+  """Writes ``value`` to ``path`` atomically, as strict JSON (a non-finite
+  number as null, named under ``non_finite``; ``loc_opt.train.records``)."""
+  records_lib.write_json(path, value)
+
+
+def _saved_summary(workdir: pathlib.Path, start: int, config
+                   ) -> dict[str, Any] | None:
+  """The ``summary.json`` of a run that was already finished when this
+  call started (it resumed at ``num_steps``), if it holds one; a rerun
+  returns it and leaves the file as it is, byte for byte."""
+  if start < config.num_steps:
+    return None
+  try:
+    saved = json.loads((workdir / 'summary.json').read_text())
+  except (OSError, ValueError):
+    return None
+  if not (isinstance(saved, dict) and saved.get('finished')
+          and saved.get('step') == config.num_steps):
+    return None
+  return saved
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -387,7 +410,11 @@ def _train_and_evaluate(config, workdir, preempt, lock) -> dict[str, Any]:
   summary = {'step': counters.step, 'finished': False,
              'preempted': preempt.preempted, 'signal': preempt.signal,
              'exit_code': preempt.exit_code}
-  if counters.step >= config.num_steps:
+  saved = _saved_summary(workdir, start, config) if hosts.is_writer() \
+      else None
+  if saved is not None:  # a rerun of a finished run: nothing to record
+    summary = saved
+  elif counters.step >= config.num_steps:
     summary = _summary(exp, config, counters, logger, workdir, compile_s)
     summary['corpus'] = corpus  # loc_opt.data.corpus.track's record
     if hosts.is_writer():

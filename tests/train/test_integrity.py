@@ -200,3 +200,40 @@ def test_a_checkpoint_that_cannot_be_read_or_moved_is_skipped(
     np.testing.assert_array_equal(a, b)
   summary = json.loads((workdir / 'summary.json').read_text())
   assert summary['step'] == 12
+
+
+def _strict_load(text):
+  def refuse(name):
+    raise ValueError(f'{name} is not JSON')
+  return json.loads(text, parse_constant=refuse)
+
+
+def test_a_finished_runs_rerun_leaves_its_records_byte_identical(
+    full_run, tmp_path):
+  # Before: a rerun rewrote summary.json with "final_train_loss": NaN (not
+  # JSON) and train_seconds_this_run 0.0.
+  config, _, full = full_run
+  workdir = _copy(full_run, tmp_path)
+  names = ('summary.json', 'metrics.jsonl')
+  before = {n: (workdir / n).read_bytes() for n in names}
+  summary = _strict_load(before['summary.json'])
+  assert np.isfinite(summary['final_train_loss'])
+  again = train.train_and_evaluate(config, workdir)
+  assert {n: (workdir / n).read_bytes() for n in names} == before
+  assert again['final_train_loss'] == full['final_train_loss']
+  assert again['finished'] and again['step'] == 12
+  assert not list(workdir.glob('*.tmp')) and not list(workdir.glob('.*.tmp'))
+
+
+def test_records_are_strict_json_with_the_non_finite_named(tmp_path):
+  from loc_opt.train import records
+  path = tmp_path / 'summary.json'
+  records.write_json(path, {'loss': float('nan'), 'ok': 1.5,
+                            'curve': [1.0, float('inf')],
+                            'nested': {'x': float('-inf')}})
+  value = _strict_load(path.read_text())
+  assert value == {'loss': None, 'ok': 1.5, 'curve': [1.0, None],
+                   'nested': {'x': None},
+                   'non_finite': {'loss': 'nan', 'curve.1': 'inf',
+                                  'nested.x': '-inf'}}
+  assert [p.name for p in tmp_path.iterdir()] == ['summary.json']
