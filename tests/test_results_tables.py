@@ -32,6 +32,8 @@ HAND_WRITTEN = {
      '(switch) |'): REFERENCE,
     ('decoupled_diloco.md', '| parameter | value | how it was set |'):
         REFERENCE,
+    ('muloco.md', "| setting | paper / authors' code | "
+     '`configs/muloco_lm.py` |'): REFERENCE,
     ('claims.md', '| # | claim | paper | command | status | evidence and '
      'why |'): STATUS,
     ('multihost.md', '| flag | behaviour |'): REFERENCE,

@@ -30,9 +30,11 @@ References:
 """
 
 from collections.abc import Sequence
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 MUON = 'muon'
@@ -95,17 +97,25 @@ def muon_adamw(
     eps: jax.typing.ArrayLike = 1e-8,
     *,
     ns_steps: int = 5,
+    ns_coeffs: Sequence[float] | Sequence[Sequence[float]] = (
+        3.4445, -4.7750, 2.0315),
     nesterov: bool = True,
     adamw_paths: Sequence[str] = ADAMW_PATHS,
+    width_scale: str = 'max1',
 ) -> optax.GradientTransformation:
   """Muon on the hidden matrices, AdamW (its own rate) on the rest.
 
   ``optax.contrib.muon`` with its parameter split given by
   :func:`muon_dimension_numbers` (by path) and AdamW's learning rate set to
   ``adamw_lr_ratio`` times Muon's. As in ``optax.contrib.muon``, ``eps`` and
-  ``nesterov`` are shared by both branches (the AdamW branch is then
-  NAdamW), and Muon's update is scaled by ``sqrt(max(1, fan_out /
-  fan_in))``.
+  ``nesterov`` are shared by both branches (with ``nesterov`` the AdamW
+  branch is NAdamW). Muon's update of a ``fan_in x fan_out`` matrix is
+  scaled by ``sqrt(max(1, fan_out / fan_in))`` (``width_scale='max1'``,
+  Jordan's and optax's rule) or by ``sqrt(fan_out / fan_in)``
+  (``'spectral'``: Dion's ``adjust_lr='spectral_norm'``, which MuLoCo's
+  research code uses; a 512 -> 128 projection then gets 0.5, not 1). With
+  ``'spectral'`` Muon's weight decay stays ``lr * weight_decay * w``, unscaled
+  by the width factor, as in Dion.
 
   Args:
     learning_rate: Muon's learning rate (a float or a schedule).
@@ -117,9 +127,12 @@ def muon_adamw(
     adamw_weight_decay: AdamW's decoupled weight decay.
     eps: the epsilon of the Newton--Schulz normalization and of AdamW.
     ns_steps: Newton--Schulz iterations.
+    ns_coeffs: the quintic's ``(a, b, c)``, one triple for every iteration
+      (default Jordan's) or one per iteration (e.g. :data:`DION_NS_COEFFS`).
     nesterov: Nesterov momentum (both branches).
     adamw_paths: path parts whose leaves go to AdamW (see
       :func:`muon_adamw_labels`).
+    width_scale: ``'max1'`` or ``'spectral'`` (see above).
 
   Returns:
     The gradient transformation.
@@ -134,10 +147,66 @@ def muon_adamw(
   else:
     adamw_lr = adamw_lr_ratio * learning_rate
   paths = tuple(adamw_paths)
-  return optax.contrib.muon(
-      learning_rate, ns_steps=ns_steps, beta=momentum, eps=eps,
-      weight_decay=weight_decay, nesterov=nesterov, adam_b1=adamw_b1,
-      adam_b2=adamw_b2, adam_weight_decay=adamw_weight_decay,
-      adam_learning_rate=adamw_lr,
+  if width_scale not in WIDTH_SCALES:
+    raise ValueError(f'width_scale must be one of {WIDTH_SCALES}, got '
+                     f'{width_scale!r}')
+  spectral = width_scale == 'spectral'
+  coeffs = tuple(ns_coeffs)
+  if coeffs and isinstance(coeffs[0], Sequence):
+    coeffs = tuple(tuple(float(v) for v in c) for c in coeffs)
+    if len(coeffs) != ns_steps or any(len(c) != 3 for c in coeffs):
+      raise ValueError(f'ns_coeffs per iteration must be ns_steps={ns_steps} '
+                       f'triples, got {coeffs}')
+  muon = optax.contrib.muon(
+      learning_rate, ns_coeffs=coeffs, ns_steps=ns_steps, beta=momentum,
+      eps=eps,
+      weight_decay=0.0 if spectral else weight_decay, nesterov=nesterov,
+      adam_b1=adamw_b1, adam_b2=adamw_b2,
+      adam_weight_decay=adamw_weight_decay, adam_learning_rate=adamw_lr,
       muon_weight_dimension_numbers=lambda params: muon_dimension_numbers(
           params, paths))
+  if not spectral:
+    return muon
+  return optax.chain(muon, _spectral_width(learning_rate, weight_decay,
+                                           paths))
+
+
+WIDTH_SCALES = ('max1', 'spectral')
+# Newton--Schulz coefficients per iteration of Dion's Muon
+# (``zeropower_via_newtonschulz5``), which MuLoCo's research code uses.
+DION_NS_COEFFS = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                  (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                  (2.8366, -3.0525, 1.2012))
+
+
+def _spectral_width(learning_rate: optax.ScalarOrSchedule,
+                    weight_decay: jax.typing.ArrayLike,
+                    paths: tuple[str, ...]) -> optax.GradientTransformation:
+  """After ``optax.contrib.muon`` (no weight decay): each Muon update times
+  ``min(1, sqrt(fan_out / fan_in))``, turning its ``sqrt(max(1, fan_out /
+  fan_in))`` into ``sqrt(fan_out / fan_in)``, then Muon's decoupled weight
+  decay ``-lr * weight_decay * w``."""
+
+  def init_fn(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError('muon_adamw(width_scale=\'spectral\') needs params')
+    lr = (learning_rate(state.count) if callable(learning_rate)
+          else learning_rate)
+    labels = muon_adamw_labels(updates, paths)
+
+    def leaf(label, u, p):
+      if label != MUON:
+        return u
+      fan_in, fan_out = u.shape[-2], u.shape[-1]
+      factor = min(1., math.sqrt(fan_out / fan_in))
+      return (factor * u - lr * weight_decay * p).astype(u.dtype)
+
+    return (jax.tree.map(leaf, labels, updates, params),
+            optax.ScaleByScheduleState(
+                count=optax.safe_increment(state.count)))
+
+  return optax.GradientTransformation(init_fn, update_fn)

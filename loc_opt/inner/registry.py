@@ -67,7 +67,7 @@ STATIC_ARGS: Mapping[str, tuple[str, ...]] = {
     'dion': ('rank', 'rank_fraction'),
     # Tuples: one entry per slow momentum (their count sets state shapes).
     'multi_timescale_adam': ('slow_betas', 'slow_weights'),
-    'muon_adamw': ('ns_steps', 'nesterov'),
+    'muon_adamw': ('ns_steps', 'ns_coeffs', 'nesterov', 'width_scale'),
 }
 
 

@@ -90,3 +90,49 @@ def test_adamw_follows_the_scheduled_muon_rate():
   want, _ = adam.update(grads['norm'], sa, params['norm'])
   np.testing.assert_allclose(u['norm'], want, rtol=1e-5)
   assert float(jnp.abs(u['norm'][0])) > 0
+
+
+def test_spectral_width_scale_is_dions_sqrt_fan_out_over_fan_in():
+  # A 16 -> 8 matrix (fan_in 16, fan_out 8): optax's sqrt(max(1, 8 / 16))
+  # is 1, Dion's sqrt(8 / 16) is 0.71; an 8 -> 16 matrix gets sqrt(2) from
+  # both. Weight decay stays lr * wd * w (Dion's base rate), not scaled.
+  rng = np.random.default_rng(0)
+  params = {'down': jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+            'up': jnp.asarray(rng.standard_normal((8, 16)), jnp.float32),
+            'norm': jnp.ones((8,))}
+  grads = jax.tree.map(lambda x: jnp.asarray(
+      rng.standard_normal(x.shape), jnp.float32), params)
+
+  def update(**kw):
+    tx = inner.make_optimizer('muon_adamw', 0.02, momentum=0.9,
+                              nesterov=False, **kw)
+    return jax.jit(tx.update)(grads, tx.init(params), params)[0]
+
+  plain = update()
+  spectral = update(width_scale='spectral')
+  np.testing.assert_allclose(spectral['down'], np.sqrt(0.5) * plain['down'],
+                             rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(spectral['up'], plain['up'], rtol=1e-6)
+  np.testing.assert_allclose(spectral['norm'], plain['norm'], rtol=1e-6)
+  decayed = update(width_scale='spectral', weight_decay=0.1)
+  np.testing.assert_allclose(
+      decayed['down'], spectral['down'] - 0.02 * 0.1 * params['down'],
+      rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match='width_scale must be one of'):
+    inner.muon_adamw(0.02, width_scale='dion')
+
+
+def test_per_iteration_newton_schulz_coefficients():
+  from loc_opt.inner.muon_adamw import DION_NS_COEFFS  # pylint: disable=g-import-not-at-top
+  params = {'w': jnp.asarray(np.random.default_rng(1).standard_normal(
+      (8, 8)), jnp.float32)}
+  tx = inner.make_optimizer('muon_adamw', 0.02, ns_coeffs=DION_NS_COEFFS)
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+  ref = optax.contrib.muon(0.02, ns_coeffs=DION_NS_COEFFS, beta=0.95)
+  want, _ = ref.update(params, ref.init(params), params)
+  np.testing.assert_allclose(u['w'], want['w'], rtol=1e-5, atol=1e-7)
+  # an orthogonalized update: singular values near 1 (times the rate)
+  s = np.linalg.svd(np.asarray(u['w']) / -0.02, compute_uv=False)
+  assert 0.6 < s.min() and s.max() < 1.3, s
+  with pytest.raises(ValueError, match='ns_steps=5 triples'):
+    inner.muon_adamw(0.02, ns_coeffs=DION_NS_COEFFS[:3])

@@ -62,3 +62,45 @@ def test_trains_a_few_steps_and_sends_the_codec_payload(data_dir, tmp_path):
   assert payload <= per_sync <= 1.05 * payload, (per_sync, payload)
   # the tiny LM is mostly embedding and head (fp32): 2/3 of its params
   assert per_sync < 0.8 * 4 * model.num_params
+
+
+def test_config_follows_the_paper_s_inner_settings():
+  kw = muloco_lm.get_config().optimizer.kwargs
+  assert (kw.momentum, kw.nesterov, kw.adamw_b1, kw.adamw_b2) == (
+      0.9, False, 0.9, 0.99)
+  assert kw.width_scale == 'spectral' and len(kw.ns_coeffs) == 5
+
+
+def test_outer_rate_applies_once_on_the_compressed_path():
+  # The reference code's compressed path scales its error-feedback
+  # accumulator by the outer rate and steps with it again (rate^2 = 0.49
+  # for 0.7); ours applies it once, like the uncompressed path: one sync of
+  # two workers through the config's codec (8 bits here, so the codec's
+  # error is small) moves the anchor by lr x mean(Delta).
+  import optax  # pylint: disable=g-import-not-at-top
+  import loc_opt  # pylint: disable=g-import-not-at-top
+  c = muloco_lm.get_config()
+  c.outer.codec_kwargs.bits = 8
+  lr = c.outer.learning_rate
+  codec = cfg_lib.make_compressor(c)
+  tx = loc_opt.diloco(optax.sgd(1.), sync_every=1, outer=optax.sgd(lr),
+                      codec=codec)
+  rng = np.random.default_rng(0)
+  params = {'layer_0': {'mlp': {'up': {'kernel': jax.numpy.asarray(
+      rng.standard_normal((2, 16, 64)), jax.numpy.float32)}}}}
+  grads = jax.tree.map(lambda x: jax.numpy.asarray(
+      rng.standard_normal(x.shape), jax.numpy.float32), params)
+  zero = jax.tree.map(jax.numpy.zeros_like, params)
+
+  def sync(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = jax.vmap(tx.init)(zero)
+  new, _ = jax.vmap(sync, axis_name='worker')(zero, state, grads)
+  got = np.asarray(new['layer_0']['mlp']['up']['kernel'][0])
+  delta = np.asarray(grads['layer_0']['mlp']['up']['kernel']).mean(0)
+  # anchor - lr * mean(anchor - (anchor - g)) = -lr * mean(g)
+  np.testing.assert_allclose(got, -lr * delta, atol=0.05 * np.abs(
+      delta).max())
+  assert np.abs(got + lr * lr * delta).max() > 0.1 * np.abs(delta).max()
