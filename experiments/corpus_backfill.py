@@ -13,7 +13,12 @@ Python, a copied source directory) is left without one, and the file's
 record lists it as unknown, which ``python -m experiments.tables --check``
 reports. A file without runs gets ``reads_text`` False when its program
 reads no text (:data:`READS_NO_TEXT`), else None (unknown). Files that
-have a record are left alone.
+have a record are left alone, unless ``--unknown_runs``: then their runs
+without a fingerprint (trained before fingerprints were kept, and read back
+since) get one where it can be known, and the record is made again.
+
+  python -m experiments.corpus_backfill --unknown_runs \
+    --results_dir=docs/results --only=claims_long
 """
 
 import argparse
@@ -66,7 +71,10 @@ def backfill(data: dict[str, Any], today: str) -> dict[str, Any]:
                     'before corpus fingerprints were kept'}
   reasons = set()
   for run in runs:
-    if 'corpus' not in run:
+    c = run.get('corpus')
+    if c is not None and c.get('from_step', 0) >= (run.get('steps') or 1):
+      run.pop('corpus')  # recorded when read back after its last step
+    if run.get('corpus') is None:
       run['corpus'] = _derive(run, today)
       if run['corpus'] is None:
         dirs = run.get('config', {}).get('data', {}).get('source_dirs')
@@ -85,11 +93,21 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--results_dir', type=pathlib.Path,
                       default=tables.RESULTS)
   parser.add_argument('--dry_run', action='store_true')
+  parser.add_argument('--unknown_runs', action='store_true',
+                      help='Also files with a record: fingerprint their '
+                      'runs that have none, where it can be known.')
+  parser.add_argument('--only', default='',
+                      help='Comma-separated results names (NAME.json).')
   args = parser.parse_args(argv)
+  only = {n for n in args.only.split(',') if n}
   today = datetime.date.today().isoformat()
   for path in sorted(args.results_dir.rglob('*.json')):
+    if only and path.stem not in only:
+      continue
     data = json.loads(path.read_text())
-    if not isinstance(data, dict) or 'corpus' in data:
+    if not isinstance(data, dict) or (
+        'corpus' in data and not (args.unknown_runs
+                                  and data['corpus'].get('unknown_runs'))):
       continue
     data['corpus'] = backfill(data, today)
     rec = data['corpus']
@@ -97,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
           f'{len(rec["unknown_runs"])} unknown runs, reads_text '
           f'{rec["reads_text"]}')
     if not args.dry_run:  # in the file's own indentation
-      second = path.read_text().split('\n', 2)[1]
-      indent = len(second) - len(second.lstrip(' ')) or 2
+      lines = path.read_text().split('\n', 2)
+      indent = (len(lines[1]) - len(lines[1].lstrip(' ')) or 2
+                if len(lines) > 1 else None)
       path.write_text(json.dumps(data, indent=indent, default=str))
   return 0
 

@@ -98,3 +98,17 @@ def test_backfill_derives_only_what_this_machine_can_know(tmp_path):
   assert corpus_backfill.backfill(
       {'command': ['python', '-m', 'experiments.wire_bytes']},
       '2026-01-01')['reads_text'] is False
+  # A run recorded only when read back after its last step is unknown until
+  # --unknown_runs derives it.
+  late = {'label': 'late', 'steps': 8, 'config': {'data': default},
+          'provenance': {'packages': {'python': here}},
+          'corpus': {**runs[0]['corpus'], 'from_step': 8}}
+  path = tmp_path / 'late.json'
+  path.write_text(json.dumps({'runs': [late], 'results': {},
+                              'corpus': _runs.corpus_record([late])}))
+  assert json.loads(path.read_text())['corpus']['unknown_runs'] == ['late']
+  corpus_backfill.main([f'--results_dir={tmp_path}', '--unknown_runs'])
+  data = json.loads(path.read_text())
+  assert data['corpus']['unknown_runs'] == []
+  assert data['runs'][0]['corpus']['from_step'] == 0
+  assert 'derived' in data['runs'][0]['corpus']
