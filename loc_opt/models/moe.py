@@ -225,7 +225,11 @@ class MoeMLP(nnx.Module):
       dispatch, combine, stats = route(logits, moe.top_k,
                                        capacity(moe, x.shape[1]))
     with jax.named_scope('experts'):
+      # Token-sharded (each device its groups' slots of every expert), then
+      # expert-sharded: the reshard between the two is an all-to-all when
+      # the groups and the experts split over the same mesh axis (GShard).
       inputs = jnp.einsum('gsec,gsd->egcd', dispatch.astype(dtype), x)
+      inputs = config.constrain(inputs, None, 'batch', None, None)
       inputs = config.constrain(inputs, 'expert', 'batch', None, 'embed')
       hidden = jnp.einsum('egcd,edf->egcf', inputs,
                           self.up[...].astype(dtype))
@@ -234,6 +238,7 @@ class MoeMLP(nnx.Module):
       out = jnp.einsum('egcf,efd->egcd', hidden,
                        self.down[...].astype(dtype))
       out = config.constrain(out, 'expert', 'batch', None, 'embed')
+      out = config.constrain(out, None, 'batch', None, None)  # all-to-all
       y = jnp.einsum('gsec,egcd->gsd', combine.astype(dtype), out)
       y = config.constrain(y, 'batch', 'length', 'embed')
     if self.shared is not None:

@@ -54,7 +54,14 @@ def test_inner_step_dispatches_to_experts_inside_the_worker(diloco_moe):
                                      exp.mesh)
   assert report.cross_worker_bytes == 0
   assert not _kinds(report, True)
-  assert _kinds(report, False)['all-to-all'] >= 2, report.summary()
+  # Dispatch and combine, forward and backward: all-to-alls (GShard), not
+  # the worker's whole batch gathered onto every expert's device and its
+  # partial outputs all-reduced (XLA's choice without the token-sharded
+  # constraint before the expert-sharded one).
+  assert _kinds(report, False)['all-to-all'] >= 4, report.summary()
+  rows = exp.config.batch_size // exp.config.mesh.workers
+  whole_batch = f'[{rows},{exp.config.data.seq_len},'
+  assert not [c.shape for c in report.collectives if whole_batch in c.shape]
 
 
 def test_sync_moves_one_payload_of_every_parameter(diloco_moe):
