@@ -238,17 +238,26 @@ def goodput_main(data: dict[str, Any]) -> str:
   fitted = ' (fitted)' if res['fitted'] else ''
   rows = [('dp', f'DP, no elasticity{fitted}'),
           ('elastic_dp', f'elastic DP{fitted}')]
-  rows += [(f'decoupled/{m}', f'Decoupled DiLoCo, M={m}')
+  measured = res.get('measured') or {}
+  bound = ' (renewal model, upper bound)' if measured else ''
+  rows += [(f'decoupled/{m}', f'Decoupled DiLoCo, M={m}{bound}')
            for m in res['learners'] if m > 1]
+  rows += [(f'measured:decoupled/{m}',
+            f'Decoupled DiLoCo, M={m}, measured on its timeline')
+           for m in res['learners'] if f'decoupled/{m}' in measured]
   rows += [(f'diloco/{m}', f'synchronous DiLoCo, M={m}')
            for m in res['learners'] if f'diloco/{m}' in res['ours']]
   lines = ['| policy | ' + ' | '.join(_chips(n) for n in chips) + ' |',
            '|---|' + '---:|' * len(chips)]
   for key, label in rows:
-    theirs = dict(zip(paper['chips'], paper.get(key, [])))
+    source, _, row = key.rpartition(':')
+    theirs = dict(zip(paper['chips'], paper.get(row, [])))
+    if source:  # measured: no paper figure to put beside it
+      theirs = {}
     cells = [f'{100 * r["goodput"]:.0f} / '
              + (f'{theirs[n]:.0f}' if n in theirs else '–')
-             for n, r in zip(chips, res['ours'][key])]
+             for n, r in zip(chips, (measured if source else
+                                     res['ours'])[row])]
     lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
 
