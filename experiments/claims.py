@@ -348,27 +348,31 @@ def _local(study, methods, knobs, momenta, inner_of, seeds, base):
 
   def wanted():
     """Per (size, method): the settings still to try, else the seeds of
-    its best setting not run yet."""
+    its best setting not run yet; and the seeds of each best setting so far
+    that the search may still change (for the pending list)."""
     done = {r['name'] for r in study.rows} | study.imported
-    out = []
+    out, later = [], []
     for size in sizes:
       for m in methods:
         got = losses(size, m)
         points = _claims.local_search(axes(m), got)
+        seeds_left = []
+        if got:
+          best = min(got, key=got.get)
+          seeds_left = [j for j in (job(size, m, best, s) for s in seeds)
+                        if _claims.run_name(*j) not in done]
         if points:
           out.append([job(size, m, p, 0) for p in points])
-          continue
-        best = min(got, key=got.get)
-        left = [job(size, m, best, s) for s in seeds]
-        left = [j for j in left if _claims.run_name(*j) not in done]
-        if left:
-          out.append(left)
-    return out
+          later += seeds_left
+        elif seeds_left:
+          out.append(seeds_left)
+    return out, later
 
   turn = 0
   while True:
-    lists = wanted()
-    study.write([_claims.run_name(*j) for jobs in lists for j in jobs])
+    lists, later = wanted()
+    study.write([_claims.run_name(*j) for jobs in lists + [later]
+                 for j in jobs])
     if _MERGE_ONLY.value or not lists:
       return
     study.run(*lists[turn % len(lists)][0])
