@@ -60,6 +60,11 @@ class Compressor(NamedTuple):
       any error-feedback wrapper); wrapping it in another one would count
       the same error twice, and
       :func:`~loc_opt.compression.build_compressor` refuses to.
+    elementwise: whether ``mean`` is the plain fp32 mean, element by
+      element and leaf by leaf, with no state (:func:`from_codec` of the
+      identity codec): averaging each leaf on its own gives the same
+      values, which lets the non-finite guard of the DiLoCo family recover
+      leaf by leaf (``loc_opt.outer._local.guarded_mean``).
   """
 
   name: str
@@ -67,6 +72,7 @@ class Compressor(NamedTuple):
   mean: Callable[..., tuple[Any, Any, Any]]
   payload_bytes: Callable[[Any], int]
   feedback: bool = False
+  elementwise: bool = False
 
 
 def f32(tree: Any) -> Any:
@@ -346,7 +352,8 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
     return workers * codec.payload_bytes(part) + codec.payload_bytes(part)
 
   name = codec.name if not two_phase else f'{codec.name}/two_phase'
-  return Compressor(name, lambda tree: (), mean, payload_bytes)
+  return Compressor(name, lambda tree: (), mean, payload_bytes,
+                    elementwise=elementwise)
 
 
 def to_compressor(scheme: 'Compressor | codecs_lib.Codec | None') -> Compressor:

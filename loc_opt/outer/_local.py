@@ -254,6 +254,9 @@ def guarded_mean(delta: Any, codec_state: Any, present: jax.Array | None,
     return present_mean(delta, codec_state, included, **kwargs) + (
         included,)
   plain = worker_mean(delta, codec_state, **kwargs)
+  compressor = kwargs.get('compressor')
+  if compressor is not None and compressor.elementwise:
+    return _leafwise_guard(delta, plain, finite, **kwargs)
 
   def recover():
     return present_mean(delta, codec_state, finite, **kwargs) + (finite,)
@@ -261,6 +264,36 @@ def guarded_mean(delta: Any, codec_state: Any, present: jax.Array | None,
   # A finite mean means every delta was finite: ``finite`` is true there.
   return jax.lax.cond(all_finite(plain[0]), lambda: plain + (finite,),
                       recover)
+
+
+def _leafwise_guard(delta: Any, plain: tuple[Any, Any, Any],
+                    finite: jax.Array, **kwargs
+                    ) -> tuple[Any, Any, Any, jax.Array]:
+  """:func:`guarded_mean`'s recovery leaf by leaf, for an element-wise
+  fp32 mean (``Compressor.elementwise``).
+
+  One ``lax.cond`` per leaf instead of one over the tree: a conditional
+  holds its operands and its result, and over the whole tree that kept
+  the pseudo-gradient, the plain mean and the result, three copies of the
+  parameters, alive at once (issue 46); per leaf each result replaces its
+  leaf of the mean as the program goes. The values are those of the
+  whole-tree recovery (each leaf's mean is element-wise, the count of
+  finite workers is the same scalar all-reduce), and a finite mean means
+  every worker was finite, so ``sent`` is ``delta`` where this worker is
+  finite and zeros where not, in both cases, without a conditional.
+  """
+  mean, sent, codec_state = plain
+  ok = all_finite(mean)
+
+  def leaf(d, m):
+    def recover():
+      return present_mean(d, (), finite, **kwargs)[0]
+
+    return jax.lax.cond(ok, lambda: m, recover)
+
+  sent = jax.tree.map(lambda s: jnp.where(finite, s, jnp.zeros_like(s)),
+                      sent)
+  return jax.tree.map(leaf, delta, mean), sent, codec_state, finite
 
 
 # ---------------------------------------------------------------- phases ---
