@@ -286,6 +286,21 @@ def _quiet_orbax_restore_failures() -> None:
       'awaited', category=RuntimeWarning)
 
 
+def _drop_orbax_disk_full(record: logging.LogRecord) -> bool:
+  """False for Orbax's log of a write thread that failed on a full disk
+  (with its traceback): :meth:`Checkpointer.save` reports it in one line."""
+  message = record.getMessage()
+  return not ('raised an exception' in message
+              and 'No space left on device' in message)
+
+
+def _quiet_orbax_disk_full() -> None:
+  """Installs :func:`_drop_orbax_disk_full` on absl's logger, once."""
+  logger = logging.getLogger('absl')
+  if _drop_orbax_disk_full not in logger.filters:
+    logger.addFilter(_drop_orbax_disk_full)
+
+
 def _stderr_line(text: str) -> None:
   print(text, file=sys.stderr, flush=True)
 
@@ -316,6 +331,7 @@ class Checkpointer:
     self.warn, self.report = warn, report
     if read_only and not self.dir.is_dir():
       raise CheckpointError(f'no checkpoints in {self.dir}')
+    _quiet_orbax_disk_full()
     # Rotation is ours (_rotate: the newest verified one is kept too);
     # read-only: nothing is created or deleted.
     self.max_to_keep = max_to_keep

@@ -237,3 +237,43 @@ def test_records_are_strict_json_with_the_non_finite_named(tmp_path):
                    'non_finite': {'loss': 'nan', 'curve.1': 'inf',
                                   'nested.x': '-inf'}}
   assert [p.name for p in tmp_path.iterdir()] == ['summary.json']
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 2.2 MB tmpfs (room for one checkpoint of the tiny run, not two);
+  skipped where mounting is not allowed (mount needs root)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  where = tmp_path / 'small'
+  where.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=2200k',
+                            'tmpfs', str(where)], capture_output=True,
+                           text=True)
+  if mounted.returncode:
+    pytest.skip(f'cannot mount a small filesystem: {mounted.stderr.strip()}')
+  try:
+    yield where
+  finally:
+    subprocess.run(['umount', str(where)], check=True)
+
+
+def test_a_full_disk_ends_in_one_error_and_keeps_the_earlier_checkpoint(
+    full_run, small_disk, capfd):
+  config, _, _ = full_run
+  workdir = small_disk / 'run'
+  capfd.readouterr()
+  with pytest.raises(ckpt_lib.DiskFullError) as info:
+    train.train_and_evaluate(config, workdir)
+  err = capfd.readouterr().err
+  assert 'Traceback' not in err and 'ERROR' not in err, err[-3000:]
+  message = str(info.value)
+  assert message.startswith(f'no space left on the device of {workdir} '
+                            'while saving the checkpoint of step 8: it needs '
+                            'about '), message
+  assert 'bytes are free; its partial copy was removed' in message
+  assert not list((workdir / 'checkpoints').glob('*tmp*'))
+  assert not (workdir / 'lock.json').exists()
+  exp, ckpt = _checkpointer(workdir, [], config=config)
+  assert ckpt.all_steps() == [4]
+  assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 4
+  ckpt.close()
