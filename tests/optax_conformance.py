@@ -171,7 +171,8 @@ def check_checkpoint_roundtrip(make: Factory, tmp_path: pathlib.Path):
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # Training on from the restored state equals training on from the original.
+  # Training on from the restored state equals training on from the original
+  # (the same update, the same operations, on bit-equal inputs: exact).
   grads = example_grads(params, 7)
   u1, _ = tx.update(grads, state, params)
   u2, _ = tx.update(grads, restored, params)

@@ -32,12 +32,18 @@ def test_reset_every_restarts_the_inner_optimizer():
   want = (helpers.run_updates(optax.adam(0.1), params, grads[:2])[0]
           + helpers.run_updates(optax.adam(0.1), params, grads[2:5])[0]
           + helpers.run_updates(optax.adam(0.1), params, grads[5:])[0])
+  # Both run eagerly: Adam's operations one by one, on a state that the
+  # lax.cond only selects (fresh zeros or the running state): the same
+  # operations in the same order, bit for bit.
   helpers.assert_updates_close(got, want, rtol=0, atol=0)
   assert int(state.count) == 7
   # A non-positive period never resets.
   got, _ = helpers.run_updates(clipping.reset_every(optax.adam(0.1), 0),
                                params, grads)
   want, _ = helpers.run_updates(optax.adam(0.1), params, grads)
+  # Both run eagerly: Adam's operations one by one, on a state that the
+  # lax.cond only selects (fresh zeros or the running state): the same
+  # operations in the same order, bit for bit.
   helpers.assert_updates_close(got, want, rtol=0, atol=0)
 
 

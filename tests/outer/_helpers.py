@@ -82,6 +82,16 @@ def train_step(tx, sync=None, loss=quad_loss):
   return step
 
 
+def step_jaxpr(tx, m=M):
+  """The jaxpr of one step of ``m`` stacked workers under ``tx``, as text:
+  two transforms with equal step jaxprs are the same operations in the
+  same order, so their runs agree bit for bit on any machine."""
+  params = stack(conf.example_params(), m)
+  state = jax.vmap(tx.init)(params)
+  return str(jax.make_jaxpr(parallel.vmap_workers(train_step(tx)))(
+      params, state, worker_batches(0, m)))
+
+
 def grads_step(tx):
   """The jitted step of stacked workers fed their gradients directly (for
   hand-computed traces), deciding syncs on device."""

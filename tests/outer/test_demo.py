@@ -125,6 +125,8 @@ def test_sign_step_moves_every_coordinate_by_exactly_lr():
 def test_workers_stay_identical_with_distinct_momenta():
   params, state, history = run_workers(TX, 3)
   momentum = state[0].momentum
+  # Every worker applies the same aggregated update with the same
+  # operations, in one program: bit-identical parameters.
   for m in range(1, M):
     for k in helpers.TILE_SHAPES:
       np.testing.assert_array_equal(params[k][m], params[k][0])
@@ -141,13 +143,16 @@ def test_plan_phases_equal_the_device_decision():
   assert plan.phases(5) == (False, True)
   want, _, _ = run_workers(TX, 3)
   got, _, _ = run_workers(TX, 3, sync=plan(0))
-  conf.assert_trees_close(got, want, rtol=0, atol=0)
+  # The static phase's program against the on-device decision's, and
+  # below 4 stacked workers against one: other programs, equal to float32
+  # rounding.
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
   # The no-exchange phase is the one-worker step: each worker alone.
   local, _, _ = run_workers(TX, 1, sync=False)
   alone, _, _ = run_workers(outer.demo(0.01, topk=4, chunk=8,
                                        axis_name=None), 1, m=1)
   conf.assert_trees_close(jax.tree.map(lambda x: x[:1], local), alone,
-                          rtol=0, atol=0)
+                          rtol=1e-6, atol=1e-7)
   assert not np.allclose(local['w'][0], local['w'][1])
 
 

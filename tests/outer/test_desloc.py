@@ -101,9 +101,11 @@ def test_equal_periods_are_local_adam_written_out(average_at):
   conf.assert_trees_close(nu, vel, rtol=1e-5, atol=1e-9)
   assert int(state.num_syncs[0]) == steps // k
 
-  alias, _ = run_workers(
-      outer.local_adam(optax.adam(lr, b1, b2, eps), sync_every=k,
-                       average_at=average_at), steps)
+  alias_tx = outer.local_adam(optax.adam(lr, b1, b2, eps), sync_every=k,
+                              average_at=average_at)
+  # local_adam is this transform: the same step jaxpr, so bit-identical.
+  assert helpers.step_jaxpr(alias_tx) == helpers.step_jaxpr(tx)
+  alias, _ = run_workers(alias_tx, steps)
   conf.assert_trees_close(alias, got, rtol=0, atol=0)
   # MT-DAO with one slow momentum of weight 1 is Local Adam too.
   mt_dao, mt_state = run_workers(outer.mt_dao(
@@ -197,6 +199,7 @@ def test_eval_params_are_the_last_synced_mean():
                       snaps[2][0])
   conf.assert_trees_close(ev, mean, rtol=0, atol=1e-6)  # one rounding
   more, state = snaps[4]
+  # An inner step leaves the stored mean as it was (no arithmetic): exact.
   conf.assert_trees_close(
       jax.vmap(outer.desloc_eval_params)(state, more), ev, rtol=0, atol=0)
   assert not np.allclose(more['w'], params['w'], atol=1e-4)

@@ -175,9 +175,10 @@ def test_param_specs_send_each_devices_block(inside):
   before the reduce-scatter (every device sends it whole); with
   ``param_specs`` each device reduce-scatters and all-gathers its own block
   (manual over the axes inside the worker), and data-parallel replicas
-  each send half of theirs: the same values bit for bit, half the leaf per
+  each send half of theirs: the same values, half the leaf per
   device in both cases. ``b`` (30 rows, not a multiple of M) keeps the
-  gathered path."""
+  gathered path. (Two programs with other collectives: compared to float32
+  rounding, bit for bit on some CPUs.)"""
   mesh = parallel.make_worker_mesh(M, **{inside: 2})
   params = helpers.stack({'w': jax.random.normal(jax.random.key(0),
                                                  (64, 32)),
@@ -208,8 +209,8 @@ def test_param_specs_send_each_devices_block(inside):
 
   (got, got_state), blocks = compiled('sharded', specs)
   (want, want_state), gathered = compiled('sharded')
-  conf.assert_trees_close(got, want, rtol=0, atol=0)
-  conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+  conf.assert_trees_close(got_state, want_state, rtol=1e-6, atol=1e-7)
   devices, b_rows = 8, 32  # b: 30 -> 32 fp32 rows, whole on every device
   sent = blocks.by_kind(True)
   assert sent['reduce-scatter'] == (64 * 32 // 2 + b_rows) * 4 * devices

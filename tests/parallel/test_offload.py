@@ -1,6 +1,7 @@
 """Tests of loc_opt.parallel.offload: DiLoCo's outer state on the host."""
 
 import jax
+import numpy as np
 import optax
 
 import loc_opt
@@ -36,8 +37,13 @@ def test_offloaded_outer_state_equals_on_device():
   assert got_state.anchor['w'].sharding.memory_kind == 'pinned_host'
   assert got_state.inner_state[0].mu['w'].sharding.memory_kind == 'device'
   assert int(got_state.num_syncs[0]) == 2
-  conf.assert_trees_close(got, want, rtol=0, atol=0)
-  conf.assert_trees_close(got_state, want_state, rtol=0, atol=0)
+  # The same arithmetic in another program (the host transfers around
+  # it): equal to float32 rounding, bit for bit on some CPUs.
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+  conf.assert_trees_close(got_state, want_state, rtol=1e-6, atol=1e-7)
+  # The syncs moved the anchor far more than that: the check bites.
+  assert float(np.max(np.abs(np.asarray(got_state.anchor['w'])
+                            - np.asarray(state.anchor['w'])))) > 1e-3
 
 
 def test_host_arguments_tells_a_pass_through_from_a_read():
