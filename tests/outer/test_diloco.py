@@ -306,8 +306,8 @@ def test_non_finite_pseudo_gradient_is_left_out(on_mesh):
 def test_leafwise_recovery_equals_the_tree_recovery(inside):
   """The fp32 codec (elementwise) recovers from a NaN worker leaf by leaf
   (one conditional per leaf, issue 46); the values, the left-out count and
-  a finite sync are those of the plain pmean's whole-tree recovery, bit for
-  bit."""
+  a finite sync are those of the plain pmean's whole-tree recovery (to
+  float32 rounding: a conditional per leaf is another program)."""
   mesh = parallel.make_worker_mesh(M, **{inside: 2}) if inside else None
   assert compression.as_compressor(compression.identity()).elementwise
   for bad in (2, None):
@@ -317,7 +317,7 @@ def test_leafwise_recovery_equals_the_tree_recovery(inside):
         codec=compression.identity()), grads, mesh=mesh)
     want = _one_sync(loc_opt.diloco(
         optax.sgd(0.1), sync_every=1, outer=optax.sgd(0.7)), grads, mesh=mesh)
-    conf.assert_trees_close(got[0], want[0], rtol=0, atol=0)
+    conf.assert_trees_close(got[0], want[0], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[1].left_out, want[1].left_out)
     assert int(got[1].left_out.sum()) == (bad is not None)
 
