@@ -39,6 +39,8 @@ from loc_opt.outer import diloco_eval_params
 from loc_opt.outer import DilocoState
 from loc_opt.outer import eager_diloco
 from loc_opt.outer import eager_eval_params
+from loc_opt.outer import group_diloco
+from loc_opt.outer import group_diloco_eval_params
 from loc_opt.outer import edit_diloco
 from loc_opt.outer import edit_eval_params
 from loc_opt.outer import hierarchical_diloco

@@ -3,6 +3,7 @@
 and the routing diagnostics in the metrics."""
 
 import collections
+import os
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import programs
 from loc_opt.train import routing
 from tests.train import _helpers
+from tests.train.test_registry import CASES  # per-method fields
 
 
 
@@ -121,3 +123,28 @@ def test_router_syncs_on_its_own_period(data_dir, tmp_path):
       "('group', 'main')": workers * 4 * summary['num_params']}
   record = metrics_lib.read_metrics(tmp_path)[-1]
   assert record['routing/router_drift'] > 0  # before the last sync
+
+
+# Every other method on the MoE LM (4 workers x fsdp 2: experts split over
+# fsdp) with LOC_OPT_ALL_METHODS=1: one trainer run each (one to three
+# minutes on 2 busy cores; Streaming DiLoCo's fragments split the blocks,
+# experts and routers included). The suite runs DiLoCo and group_diloco
+# above.
+OTHERS = sorted(set(CASES) - {'diloco', 'group_diloco'})
+
+
+@pytest.mark.skipif(os.environ.get('LOC_OPT_ALL_METHODS') != '1',
+                    reason='set LOC_OPT_ALL_METHODS=1')
+@pytest.mark.parametrize('method', OTHERS)
+def test_every_other_method_runs_on_the_moe_lm(data_dir, tmp_path, method):
+  overrides = dict(CASES[method])
+  overrides.pop('outer.group_diloco.pattern', None)
+  config = _config(data_dir, **{
+      'mesh.workers': 4, 'mesh.fsdp': 2, 'mesh.tensor': 1,
+      'outer.method': method, 'eval_every': 8, 'checkpoint_every': 0,
+      **overrides})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and np.isfinite(summary['final_eval_loss'])
+  assert summary['cross_worker_bytes'] > 0
+  if method != 'compressed_data_parallel':  # it talks every step
+    assert summary['bytes_per_phase']['False'] == 0
