@@ -277,3 +277,19 @@ def test_a_full_disk_ends_in_one_error_and_keeps_the_earlier_checkpoint(
   assert ckpt.all_steps() == [4]
   assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 4
   ckpt.close()
+
+
+def test_a_half_written_save_is_never_picked(full_run, tmp_path):
+  # What kill -9 during a save leaves: Orbax's temporary directory, here a
+  # copy of step 12 renamed to a newer step's temporary name, cut short.
+  config, _, _ = full_run
+  workdir = _copy(full_run, tmp_path)
+  half = workdir / 'checkpoints' / '16.orbax-checkpoint-tmp-1234'
+  shutil.copytree(workdir / 'checkpoints' / '12', half)
+  (half / 'state' / '_METADATA').unlink()
+  lines = []
+  exp, ckpt = _checkpointer(workdir, lines, config=config)
+  assert ckpt.all_steps() == [8, 12]
+  assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 12
+  ckpt.close()
+  assert not lines
