@@ -35,7 +35,7 @@ def _run_planned(tx, plan, steps):
 
 def test_equal_periods_and_outer_optimizers_are_diloco():
   tx = group_diloco(optax.adam(1e-2), sync_every=3, group_sync_every=3,
-                       pattern='^b$')
+                    pattern='^b$')
   got, state = _run_planned(tx, group_diloco_plan(3, 3), 7)
   want, _ = helpers.run_workers(
       loc_opt.diloco(optax.adam(1e-2), sync_every=3), 7)
@@ -48,7 +48,7 @@ def test_group_syncs_on_its_own_period_with_its_own_outer_optimizer():
   steps ``b`` is the workers' mean and equal on every worker while ``w``
   differs; after 4 both are synced."""
   tx = group_diloco(optax.sgd(0.1), sync_every=4, group_sync_every=2,
-                       pattern='^b$', group_outer=optax.sgd(1.0))
+                    pattern='^b$', group_outer=optax.sgd(1.0))
   plan = group_diloco_plan(4, 2)
   assert [plan(i) for i in range(4)] == [False, ('group',), False,
                                          ('group', 'main')]
@@ -70,7 +70,7 @@ def test_group_syncs_on_its_own_period_with_its_own_outer_optimizer():
 
 def test_static_phases_equal_the_device_decision():
   tx = group_diloco(optax.adam(1e-2), sync_every=4, group_sync_every=2,
-                       pattern='^b$')
+                    pattern='^b$')
   got, _ = _run_planned(tx, group_diloco_plan(4, 2), 6)
   want, _ = helpers.run_workers(tx, 6)
   conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
@@ -82,8 +82,8 @@ def test_each_phase_sends_its_part_only():
   (``parallel.worker_mean``: one copy per worker, not per data-parallel
   device)."""
   tx = group_diloco(optax.adam(1e-2), sync_every=4, group_sync_every=2,
-                       pattern='^b$',
-                       reduce_fn=parallel.worker_mean(parallel.WORKER))
+                    pattern='^b$',
+                    reduce_fn=parallel.worker_mean(parallel.WORKER))
   mesh = helpers.worker_mesh()
   params = helpers.stack(conf.example_params())
   state = jax.vmap(tx.init)(params)
