@@ -181,7 +181,10 @@ def test_decode_mean_of_one_worker_is_its_decode():
 
   one, mean = both(x)
   assert (np.asarray(one) != 0).any()
-  np.testing.assert_array_equal(one, mean)
+  # Two decode paths (a scatter and a mean over one worker before the
+  # inverse transform's matmuls): equal to float32 rounding.
+  np.testing.assert_allclose(mean, one, rtol=1e-6,
+                             atol=1e-6 * float(np.abs(one).max()))
 
 
 def test_dct_topk_mean_under_shard_map_moves_only_the_sparse_tiles():
@@ -206,7 +209,7 @@ def test_dct_topk_mean_under_shard_map_moves_only_the_sparse_tiles():
   want = jax.jit(jax.vmap(mean, axis_name='worker'))(x)
   got = fn(x)
   np.testing.assert_allclose(got, want, atol=1e-5)
-  for w in range(1, 4):
+  for w in range(1, 4):  # the same decode of the same gather, one program
     np.testing.assert_array_equal(got[w], got[0])
   # Reference: the mean over choosers of every worker's top coefficients.
   coeffs = np.stack([np.asarray(_block_dct(x[w], 64)) for w in range(4)])

@@ -163,6 +163,8 @@ def test_int8_nearest_is_blockwise_absmax_round_to_nearest():
   scale = np.abs(blocks).max(1, keepdims=True) / np.float32(127)
   old_codes = np.clip(np.round(blocks / scale), -127, 127).astype(np.int8)
   old_y = (old_codes.astype(np.float32) * scale).reshape(-1)
+  # A max, a division, a rounding and a product, each correctly rounded in
+  # float32: exact on any IEEE machine, whatever the program.
   np.testing.assert_array_equal(new_y, old_y)
   np.testing.assert_array_equal(new_payload['codes'], old_codes)
 
@@ -379,7 +381,7 @@ def test_mean_on_a_mesh_moves_only_the_payload(name):
   got = np.asarray(fn(sharded))
   want = np.asarray(jax.jit(jax.vmap(mean, axis_name='worker'))(x))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  for m in range(1, 4):
+  for m in range(1, 4):  # one program, the same decode on every worker
     np.testing.assert_array_equal(want[m], want[0])
   err = np.abs(want[0] - np.asarray(x.mean(0))).mean()
   assert err < {8: 0.05, 4: 0.25, 2: 0.25}[bits]
