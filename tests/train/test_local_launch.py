@@ -139,6 +139,19 @@ def test_children_die_with_a_launcher_killed_by_sigkill(tmp_path):
         pass
 
 
+def test_sigint_reaches_every_process_as_sigterm_and_gives_130(tmp_path):
+  """Ctrl-C to the launcher: every child gets a preemption notice (saves
+  and exits 0 in a real run); the launcher exits 130."""
+  parent, _ = _launcher(tmp_path, 'wait')
+  try:
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=60) == 128 + signal.SIGINT
+  finally:
+    if parent.poll() is None:
+      parent.kill()
+  assert sorted(p.name for p in tmp_path.glob('term*')) == ['term0', 'term1']
+
+
 def test_sigterm_reaches_every_process(tmp_path):
   """A preemption notice to the launcher goes to every child."""
   parent = subprocess.Popen(
