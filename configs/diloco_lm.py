@@ -129,6 +129,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.moe.balance_loss = 0.01  # Load-balancing loss coefficient.
   c.model.moe.z_loss = 0.001  # Router z-loss coefficient.
   c.model.moe.shared_expert = False  # Also a dense MLP every token passes.
+  # 'all_to_all': tokens reach the experts' devices by all-to-alls (GShard);
+  # 'xla': the partitioner's own layout (same values; docs/moe.md).
+  c.model.moe.dispatch = 'all_to_all'
 
   # Data fields and their meaning: loc_opt.data.get_config().
   c.data = data.get_config()

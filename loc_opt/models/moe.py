@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 _init = nnx.initializers
 TOP_K = (1, 2)
+DISPATCH = ('all_to_all', 'xla')
 # The path of a router's kernel in the parameter tree (router sync, drift).
 ROUTER_PATTERN = r'(^|/)router/'
 
@@ -67,6 +68,12 @@ class MoeConfig:
     balance_loss: coefficient of the load-balancing loss.
     z_loss: coefficient of the router z-loss.
     shared_expert: whether every token also passes a dense MLP.
+    dispatch: ``'all_to_all'`` (default): the dispatched tokens are laid
+      out by group (token-sharded) and then by expert, so the reshard
+      between the two is an all-to-all (GShard), and back for the combine;
+      ``'xla'``: only the expert-sharded layout is given and XLA's SPMD
+      partitioner picks the rest (on CPU it gathers a worker's tokens onto
+      every expert device and reduces the partial outputs). Same values.
   """
 
   num_experts: int = 0
@@ -75,6 +82,7 @@ class MoeConfig:
   balance_loss: float = 0.01
   z_loss: float = 0.001
   shared_expert: bool = False
+  dispatch: str = 'all_to_all'
 
   def __post_init__(self):
     e = self.num_experts
@@ -94,6 +102,9 @@ class MoeConfig:
       if getattr(self, field) < 0:
         raise ValueError(f'model.moe.{field} must be >= 0, got '
                          f'{getattr(self, field)!r}')
+    if self.dispatch not in DISPATCH:
+      raise ValueError(f'model.moe.dispatch must be one of {list(DISPATCH)}, '
+                       f'got {self.dispatch!r}')
     if type(self.shared_expert) is not bool:
       raise ValueError('model.moe.shared_expert must be a bool, got '
                        f'{self.shared_expert!r}')
@@ -228,8 +239,10 @@ class MoeMLP(nnx.Module):
       # Token-sharded (each device its groups' slots of every expert), then
       # expert-sharded: the reshard between the two is an all-to-all when
       # the groups and the experts split over the same mesh axis (GShard).
+      by_group = moe.dispatch == 'all_to_all'
       inputs = jnp.einsum('gsec,gsd->egcd', dispatch.astype(dtype), x)
-      inputs = config.constrain(inputs, None, 'batch', None, None)
+      if by_group:
+        inputs = config.constrain(inputs, None, 'batch', None, None)
       inputs = config.constrain(inputs, 'expert', 'batch', None, 'embed')
       hidden = jnp.einsum('egcd,edf->egcf', inputs,
                           self.up[...].astype(dtype))
@@ -238,7 +251,8 @@ class MoeMLP(nnx.Module):
       out = jnp.einsum('egcf,efd->egcd', hidden,
                        self.down[...].astype(dtype))
       out = config.constrain(out, 'expert', 'batch', None, 'embed')
-      out = config.constrain(out, None, 'batch', None, None)  # all-to-all
+      if by_group:
+        out = config.constrain(out, None, 'batch', None, None)  # all-to-all
       y = jnp.einsum('gsec,egcd->gsd', combine.astype(dtype), out)
       y = config.constrain(y, 'batch', 'length', 'embed')
     if self.shared is not None:

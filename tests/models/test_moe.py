@@ -157,6 +157,7 @@ def test_expert_kernels_are_sharded_over_the_expert_axis():
     ({'num_experts': 4, 'balance_loss': -1.0}, 'balance_loss'),
     ({'num_experts': 4, 'shared_expert': 1}, 'shared_expert'),
     ({'experts': 4}, r'model.moe.experts is not a field'),
+    ({'num_experts': 4, 'dispatch': 'gather'}, 'dispatch must be one of'),
 ])
 def test_bad_moe_settings_name_the_field(moe, match):
   with pytest.raises(ValueError, match=match):
