@@ -14,7 +14,8 @@ collectives read by ``loc_opt.parallel.collective_bytes``):
   cross-worker bytes per worker, with their kinds and the bytes that join
   two groups.
 * ``phases``: each phase's program at ``G = 2`` for a 136-parameter model
-  ``{'w': (16, 8), 'b': (8,)}`` (inner, group sync, global sync), and flat
+  ``{'w': (16, 8), 'b': (8,)}`` (inner, group sync, global sync, the global
+  sync with ``global_exchange='representatives'``), and flat
   DiLoCo's sync (``reduce_fn=parallel.worker_mean()``) for comparison: the
   cross-worker collectives by kind, the sets of workers each joins and the
   bytes between the two groups.
@@ -129,6 +130,11 @@ def _phases_table(mesh) -> dict:
   for phase in hierarchical.PHASES:
     report = _runs.step_report(_hier(g), params, phase, mesh)
     rows.append({'phase': names.get(phase, str(phase)), **_row(report, g)})
+  # TreeLoCo: only each group's first worker sends across groups.
+  report = _runs.step_report(_hier(g, global_exchange='representatives'),
+                             params, 'global', mesh)
+  rows.append({'phase': "`'global'`, TreeLoCo (one representative per "
+                        'group)', **_row(report, g)})
   flat = loc_opt.diloco(optax.adam(1e-2), sync_every=4,
                         reduce_fn=parallel.worker_mean())
   rows.append({'phase': 'flat DiLoCo sync',
