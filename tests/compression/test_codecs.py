@@ -92,7 +92,9 @@ def test_diloco_with_identity_codec_equals_plain_diloco():
   plain = run(None)
   ident = run(lambda t: compression.compressed_mean(
       t, compression.identity(), 'worker'))
-  np.testing.assert_array_equal(plain['w'], ident['w'])
+  # The identity payload's mean and pmean are other operations: equal to
+  # float32 rounding.
+  np.testing.assert_allclose(ident['w'], plain['w'], rtol=1e-6, atol=1e-7)
   q = run(lambda t: compression.compressed_mean(
       t, compression.int8(), 'worker'))
   np.testing.assert_allclose(q['w'], plain['w'], atol=2e-3)

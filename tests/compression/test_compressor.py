@@ -75,7 +75,9 @@ def _diloco_run(codec=None, reduce_fn=None, steps=6):
 def test_diloco_identity_codec_equals_plain_diloco():
   plain, _ = _diloco_run()
   ident, _ = _diloco_run(codec=compression.identity())
-  np.testing.assert_array_equal(plain['w'], ident['w'])
+  # The identity codec's payload path is another program around the same
+  # mean: equal to float32 rounding (the lossy codec below is far off).
+  np.testing.assert_allclose(ident['w'], plain['w'], rtol=1e-6, atol=1e-7)
   lossy, state = _diloco_run(codec=compression.error_feedback(
       compression.from_codec(compression.int8(block_size=10))))
   np.testing.assert_allclose(lossy['w'], plain['w'], atol=5e-3)
@@ -135,9 +137,12 @@ def test_block_size_none_scales_each_tensor_on_its_own(name):
        'small': jnp.asarray(np.stack([small] * W), jnp.float32)}
   mean, sent, _ = one_mean(scheme, x, ())
   alone, _, _ = one_mean(scheme, {'small': x['small']}, ())
-  # The small tensor is coded as it would be alone, and not as zeros.
-  np.testing.assert_array_equal(mean['small'], alone['small'])
-  np.testing.assert_array_equal(sent['small'], alone['small'])
+  # The small tensor is coded as it would be alone, and not as zeros (in
+  # another program, with another leaf: to float32 rounding).
+  np.testing.assert_allclose(mean['small'], alone['small'], rtol=1e-6,
+                             atol=1e-7)
+  np.testing.assert_allclose(sent['small'], alone['small'], rtol=1e-6,
+                             atol=1e-7)
   assert np.all(np.asarray(mean['small'][0]) != 0)
   if name == 'fp4_e3m0':
     for key, value in (('big', big), ('small', small)):

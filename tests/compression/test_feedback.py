@@ -53,7 +53,9 @@ def test_econtrol_with_eta_zero_is_ef21():
     g = {'w': jax.random.normal(jax.random.key(t), (W, 32))}
     ma, _, sa = one_mean(a, g, sa)
     mb, _, sb = one_mean(b, g, sb)
-    np.testing.assert_array_equal(ma['w'], mb['w'])
+    # Two transforms' operations (eta = 0 zeroes a term): equal to float32
+    # rounding.
+    np.testing.assert_allclose(mb['w'], ma['w'], rtol=1e-6, atol=1e-7)
   with pytest.raises(ValueError, match='eta'):
     compression.econtrol(base, eta=2.0)
 

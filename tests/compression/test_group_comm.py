@@ -98,7 +98,10 @@ def test_identity_codec_equals_the_plain_group_mean():
             comm.pmean(v))
 
   coded, plain = _per_worker(fn, x)
-  np.testing.assert_array_equal(np.asarray(coded), np.asarray(plain))
+  # The payload path (gather, decode, sum) and the plain mean are other
+  # operations: equal to float32 rounding.
+  np.testing.assert_allclose(np.asarray(coded), np.asarray(plain),
+                             rtol=1e-6, atol=1e-7)
 
 
 def test_refusals():

@@ -186,7 +186,7 @@ def _named_vs_object_runs(make_tx, name, kwargs, obj, steps=4):
   """Trains 4 workers with ``make_tx(codec)`` under vmap, once with the
   codec given by name and once as an object; returns both param trees."""
   import optax  # pylint: disable=g-import-not-at-top
-  out = []
+  out, jaxprs = [], []
   for codec in ((name, kwargs) if kwargs else name, obj):
     tx = make_tx(codec)
     params = jax.tree.map(lambda x: jnp.broadcast_to(x, (W,) + x.shape),
@@ -198,10 +198,15 @@ def _named_vs_object_runs(make_tx, name, kwargs, obj, steps=4):
       return optax.apply_updates(p, u), s
 
     fn = jax.jit(jax.vmap(step, axis_name='worker'))
+    jaxprs.append(str(jax.make_jaxpr(jax.vmap(step, axis_name='worker'))(
+        params, state, jax.tree.map(jnp.zeros_like, params))))
     for i in range(steps):
       grads = {'w': _normal_stack(i, (16, 8)), 'b': _normal_stack(i, (8,))}
       params, state = fn(params, state, grads)
     out.append(params)
+  # The name builds the same codec: the same step jaxpr, so the runs are
+  # bit-identical.
+  assert jaxprs[0] == jaxprs[1]
   return out
 
 
