@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from loc_opt import inner
+from loc_opt.inner.muon_adamw import DION_NS_COEFFS
 from loc_opt.inner.muon_adamw import muon_adamw_labels
 
 
@@ -123,7 +124,6 @@ def test_spectral_width_scale_is_dions_sqrt_fan_out_over_fan_in():
 
 
 def test_per_iteration_newton_schulz_coefficients():
-  from loc_opt.inner.muon_adamw import DION_NS_COEFFS  # pylint: disable=g-import-not-at-top
   params = {'w': jnp.asarray(np.random.default_rng(1).standard_normal(
       (8, 8)), jnp.float32)}
   tx = inner.make_optimizer('muon_adamw', 0.02, ns_coeffs=DION_NS_COEFFS)
