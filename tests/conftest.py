@@ -55,3 +55,75 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: not (
       item.module.__name__.startswith(_LONG_RUNS) or
       item.get_closest_marker('slow')))
+
+
+# CPU seconds per test (`--cpu-durations=N`): the process's own and its
+# finished subprocesses' user + system time over setup, call and teardown.
+# Unlike pytest's --durations (wall time) it hardly moves when the machine
+# is busy, so it tells where the suite's time goes on any machine.
+
+
+def pytest_addoption(parser):
+  parser.addoption('--cpu-durations', type=int, default=None, metavar='N',
+                   help='show the N tests that used the most CPU seconds '
+                   '(0: all) and the total')
+
+
+def _cpu_seconds() -> float:
+  import resource  # pylint: disable=g-import-not-at-top
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  if item.config.getoption('cpu_durations') is None:
+    yield
+    return
+  start = _cpu_seconds()
+  item.user_properties.append(('cpu_start', start))
+  yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  if item.config.getoption('cpu_durations') is None:
+    return
+  report = outcome.get_result()
+  starts = [v for k, v in item.user_properties if k == 'cpu_start']
+  if starts and call.when == 'teardown':
+    report.user_properties.append(('cpu_s', _cpu_seconds() - starts[-1]))
+
+
+_CPU = {}
+
+
+def pytest_runtest_logreport(report):
+  for key, value in getattr(report, 'user_properties', ()):
+    if key == 'cpu_s' and report.when == 'teardown':
+      _CPU[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  del exitstatus
+  n = config.getoption('cpu_durations')
+  if n is None or not _CPU:
+    return
+  ranked = sorted(_CPU.items(), key=lambda kv: -kv[1])
+  total = sum(_CPU.values())
+  terminalreporter.section(f'CPU seconds per test (total {total:.0f} s)')
+  for nodeid, seconds in ranked[:n or None]:
+    terminalreporter.write_line(f'{seconds:8.1f}  {nodeid}')
+  modules = {}
+  for nodeid, seconds in _CPU.items():
+    module = nodeid.split('::')[0]
+    modules[module] = modules.get(module, 0.0) + seconds
+  terminalreporter.section('CPU seconds per module')
+  for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1]):
+    terminalreporter.write_line(f'{seconds:8.1f}  {module}')
