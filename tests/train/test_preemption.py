@@ -182,6 +182,8 @@ def test_a_second_launcher_is_refused_and_takes_over_a_dead_ones_lock(
   assert f'is stale (pid {first.pid} on this host is gone)' in third.stderr
   summary = json.loads((workdir / 'summary.json').read_text())
   assert summary['step'] == _STEPS
+  # One config and mesh: the same compiled steps, replayed from the
+  # checkpoint: bit for bit.
   assert summary['final_eval_loss'] == full['final_eval_loss']
   assert not (workdir / 'lock.json').exists()
 
