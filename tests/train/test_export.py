@@ -1,8 +1,9 @@
 """``loc-opt-export`` / ``export_model``: a run's global model as a plain
 Orbax pytree checkpoint that Orbax and the model alone restore and
-evaluate to the run's final eval loss."""
+evaluate to the run's final eval loss; and the startup lines of that run."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from loc_opt import models
 from loc_opt import train
 from loc_opt.train import experiment as exp_lib
 from loc_opt.train import export
+from loc_opt.train import startup
 from tests.train._helpers import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -24,8 +26,25 @@ pytestmark = pytest.mark.slow
 def run(data_dir, tmp_path_factory):
   config = tiny_config(data_dir)  # DiLoCo, H = 4, 12 steps, :mlp
   workdir = tmp_path_factory.mktemp('run')
-  summary = train.train_and_evaluate(config, workdir)
-  return config, workdir, summary
+  exp_lib._EXPERIMENT_CACHE.clear()  # pylint: disable=protected-access
+  lines = []
+  with startup.report_to(lines.append):  # the launcher's startup lines
+    summary = train.train_and_evaluate(config, workdir)
+  return config, workdir, dict(summary, startup=lines)
+
+
+def test_startup_lines_name_each_compile(run):
+  lines = run[2]['startup']
+  assert lines[0] == 'compiling train step 1 of 2 (inner steps) ...', lines
+  assert re.fullmatch(r'compiled train step 1 of 2 \(inner steps\) in '
+                      r'\d+\.\d s', lines[1]), lines
+  assert lines[2:4] == ['compiling train step 2 of 2 (sync) ...', lines[3]]
+  assert lines[3].startswith('compiled train step 2 of 2 (sync) in ')
+  # The summary's data-parallel reference: one line pair, its own
+  # compiles silent.
+  assert lines[4:] == [
+      'compiling the data-parallel step (the summary compares its bytes) ...',
+      lines[5]] and lines[5].endswith(' s'), lines
 
 
 def test_the_export_restores_with_orbax_alone_to_the_final_loss(
