@@ -107,6 +107,10 @@ BENCHMARKS: dict[str, Benchmark] = {
                           'docs/sharding.md'),
     'scale_8b': Benchmark('scale_check', ('--table=scale_8b',),
                           'docs/sharding.md'),
+    # The sync step beside the inner step at ~1B and ~8B on both meshes
+    # (scanned, remat full): eight compiles, minutes.
+    'scale_sync': Benchmark('scale_check', ('--table=scale_sync',),
+                            'docs/sharding.md'),
     # Small models, seconds each: the bytes of DiLoCo's sync under each
     # aggregate and one adversarial worker; hierarchical DiLoCo's compiled
     # bytes per group codec and per phase.

@@ -10,6 +10,7 @@ against the fp32 parameter bytes (DiLoCo's sync), and compile time.
   python -m experiments.scale_check --config=configs/scale_lm.py:1b \
     [--config.mesh.fsdp=2 --config.mesh.tensor=2] [--workdir=DIR]
   python -m experiments.scale_check --table=scale_1b --workdir=DIR
+  python -m experiments.scale_check --table=scale_sync --workdir=DIR
 
 On a machine without accelerators it uses ``--cpu_devices`` virtual CPU
 devices. ``--table=scale_1b`` / ``scale_8b`` measures the rows of
@@ -106,6 +107,15 @@ PRESETS = {
         ('scan + remat `full`', '8b', {**_SCAN_REMAT, **_TENSOR}, False),
         ('unrolled, no remat', '8b', {}, False),
     ),
+    # The sync step beside the inner step (issue 46's targets: temporary
+    # memory at most 1.25x the inner step's, within-worker bytes at most
+    # 1.2x ideal), ~1B and ~8B, on both meshes; scanned, full remat.
+    'scale_sync': (
+        ('~1B', '1b', _SCAN_REMAT, True),
+        ('~1B', '1b', {**_SCAN_REMAT, **_TENSOR}, True),
+        ('~8B', '8b', _SCAN_REMAT, True),
+        ('~8B', '8b', {**_SCAN_REMAT, **_TENSOR}, True),
+    ),
 }
 _TABLE = flags.DEFINE_enum(
     'table', None, list(PRESETS),
@@ -156,8 +166,9 @@ def main(argv):
     from experiments import tables  # pylint: disable=g-import-not-at-top
     name = _TABLE.value or 'scale_check'
     results = {'rows': rows}
+    renderer = 'scale_sync' if name == 'scale_sync' else 'scale_check'
     _runs.write(_WORKDIR.value, name,
-                tables.render('scale_check', 'main', {'results': results}),
+                tables.render(renderer, 'main', {'results': results}),
                 results, configs=[
                     json.loads(json.dumps(c.to_dict(), default=str))
                     for _, c, _ in variants])

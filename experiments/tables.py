@@ -359,6 +359,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('scale_check', 'main'): _sharding_tables.scale_check_main,
     ('scale_1b', 'main'): _sharding_tables.scale_check_main,
     ('scale_8b', 'main'): _sharding_tables.scale_check_main,
+    ('scale_sync', 'main'): _sharding_tables.scale_sync_main,
     ('outer_state_memory', 'main'):
         _sharding_tables.outer_state_memory_main,
     ('sharded_sync_bytes', 'main'):
