@@ -1,0 +1,274 @@
+"""The exchange between asynchronous learners and their syncer: a directory
+written through Orbax.
+
+Learners and the syncer never talk to each other; they read and write one
+*store*, a directory on a shared filesystem, or a ``gs://`` / ``s3://``
+bucket path. Every write goes through Orbax's ``CheckpointManager``
+(TensorStore underneath for the arrays, ``etils.epath`` for the paths), so a
+bucket path takes exactly the same code as a local directory; nothing here is
+a network protocol of our own. Layout::
+
+  STORE/global/<version>/       the syncer's merged model, one Orbax step per
+                                version: items ``params``, ``outer`` (the
+                                outer optimizer state) and ``meta`` (JSON:
+                                counters, the payloads consumed per learner)
+  STORE/payloads/<learner>/<n>/ learner ``<learner>``'s ``n``-th payload:
+                                items ``delta`` (its pseudo-gradient, raw or
+                                as a codec's payload arrays) and ``meta``
+                                (JSON: base version, tokens, steps, bytes)
+  STORE/learners/<learner>/<n>/ the learner's own state (inner optimizer),
+                                for a restart that keeps it
+
+**Atomic, versioned writes.** Orbax writes a step into a temporary directory
+and renames it into place when it is complete (on a local or NFS filesystem),
+or writes a ``commit_success.txt`` marker last (on object stores, which have
+no rename); readers list only finalized steps, so a process killed mid-write
+leaves nothing that is ever read. A step that exists is never overwritten
+(Orbax refuses: ``StepAlreadyExistsError``), so a version number names one
+model for good. Old versions and payloads are deleted by the writer's
+``max_to_keep``; a reader that loses a race with a deletion gets
+:class:`Gone` and reads the newest again.
+
+For a bucket, install Orbax's and TensorStore's cloud extras as their docs
+say (``gcsfs`` is not needed: TensorStore's ``gcs`` and ``s3`` drivers do the
+array IO, ``etils.epath`` the directory listings) and pass
+``--store=gs://bucket/run``. Tests use local directories only.
+"""
+
+from collections.abc import Iterator
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+GLOBAL = 'global'
+PAYLOADS = 'payloads'
+LEARNERS = 'learners'
+_LEARNER_ID = re.compile(r'^[A-Za-z0-9_.-]+$')
+
+
+class Gone(RuntimeError):
+  """A step listed a moment ago was deleted (or is not readable) now."""
+
+
+def check_learner_id(learner: str) -> str:
+  """``learner`` if it is a usable directory name, else a ValueError."""
+  if not isinstance(learner, str) or not _LEARNER_ID.match(learner):
+    raise ValueError(f'learner id {learner!r}: use letters, digits, "_", '
+                     '"-" or "." (it names a directory of the store)')
+  return learner
+
+
+def _manager(directory: epath.Path, *, write: bool, keep: int | None,
+             items: tuple[str, ...]) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=write, read_only=not write,
+      enable_async_checkpointing=False,
+      # one process writes a directory; no barriers between processes
+      multiprocessing_options=ocp.options.MultiprocessingOptions(
+          primary_host=None))
+  handlers = {name: (ocp.JsonCheckpointHandler() if name == 'meta'
+                     else ocp.StandardCheckpointHandler()) for name in items}
+  return ocp.CheckpointManager(directory, options=options,
+                               item_names=items, item_handlers=handlers)
+
+
+def _host(tree: Any) -> Any:
+  return jax.tree.map(np.asarray, tree)
+
+
+def _abstract(tree: Any) -> Any:
+  def one(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+  return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass
+class Payload:
+  """One learner payload as read back: ``delta`` (the tree the learner
+  saved) and ``meta`` (its JSON dict)."""
+
+  learner: str
+  seq: int
+  meta: dict[str, Any]
+  delta: Any
+
+
+class Store:
+  """One store (see the module doc) opened by one process.
+
+  Args:
+    root: the store's path (a directory, or ``gs://...``, ``s3://...``).
+    keep_versions: how many global versions the syncer keeps.
+    keep_payloads: how many payloads each learner keeps.
+  """
+
+  def __init__(self, root: str | epath.Path, *, keep_versions: int = 8,
+               keep_payloads: int = 16):
+    if not str(root):
+      raise ValueError('store path is empty')
+    self.root = epath.Path(root)
+    self.keep_versions, self.keep_payloads = keep_versions, keep_payloads
+    self._readers: dict[str, ocp.CheckpointManager] = {}
+    self._writers: dict[str, ocp.CheckpointManager] = {}
+
+  # ------------------------------------------------------------ managers ---
+  def _reader(self, key: str, directory: epath.Path,
+              items: tuple[str, ...]) -> ocp.CheckpointManager | None:
+    if key not in self._readers:
+      if not directory.exists():
+        return None
+      self._readers[key] = _manager(directory, write=False, keep=None,
+                                    items=items)
+    mngr = self._readers[key]
+    mngr.reload()
+    return mngr
+
+  def _writer(self, key: str, directory: epath.Path, keep: int | None,
+              items: tuple[str, ...]) -> ocp.CheckpointManager:
+    if key not in self._writers:
+      self._writers[key] = _manager(directory, write=True, keep=keep,
+                                    items=items)
+    return self._writers[key]
+
+  def close(self) -> None:
+    for mngr in [*self._readers.values(), *self._writers.values()]:
+      mngr.close()
+    self._readers.clear()
+    self._writers.clear()
+
+  # ------------------------------------------------------ global versions ---
+  def versions(self) -> list[int]:
+    """The finalized global versions, oldest first."""
+    mngr = self._reader('global', self.root / GLOBAL,
+                        ('params', 'outer', 'meta'))
+    return [] if mngr is None else sorted(mngr.all_steps())
+
+  def latest_version(self) -> int | None:
+    versions = self.versions()
+    return versions[-1] if versions else None
+
+  def publish_global(self, version: int, params: Any, outer: Any,
+                     meta: dict[str, Any]) -> None:
+    """Writes global ``version`` atomically (fails if it exists)."""
+    mngr = self._writer('global_w', self.root / GLOBAL, self.keep_versions,
+                        ('params', 'outer', 'meta'))
+    saved = mngr.save(version, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(_host(params)),
+        outer=ocp.args.StandardSave(_host(outer)),
+        meta=ocp.args.JsonSave(dict(meta, version=version))))
+    mngr.wait_until_finished()
+    if not saved:
+      raise FileExistsError(f'global version {version} exists in '
+                            f'{self.root / GLOBAL}; versions are never '
+                            'overwritten')
+
+  def read_global(self, version: int, params_like: Any,
+                  outer_like: Any | None = None) -> tuple[Any, Any, dict]:
+    """``(params, outer state or None, meta)`` of ``version``; the trees
+    are restored into the structures of ``params_like`` / ``outer_like``
+    (host numpy arrays)."""
+    mngr = self._reader('global', self.root / GLOBAL,
+                        ('params', 'outer', 'meta'))
+    if mngr is None:
+      raise Gone(f'no global versions in {self.root / GLOBAL}')
+    items = {'params': ocp.args.StandardRestore(_abstract(params_like)),
+             'meta': ocp.args.JsonRestore()}
+    if outer_like is not None:
+      items['outer'] = ocp.args.StandardRestore(_abstract(outer_like))
+    try:
+      out = mngr.restore(version, args=ocp.args.Composite(**items))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+      raise Gone(f'global version {version}: {e}') from e
+    return (_host(out['params']),
+            None if outer_like is None else _host(out['outer']), out['meta'])
+
+  # ------------------------------------------------------------ payloads ---
+  def learners(self) -> list[str]:
+    """The learners that have a payload directory."""
+    base = self.root / PAYLOADS
+    if not base.exists():
+      return []
+    return sorted(p.name for p in base.iterdir() if p.is_dir())
+
+  def payload_seqs(self, learner: str) -> list[int]:
+    """The finalized payload numbers of ``learner``, oldest first."""
+    mngr = self._reader(f'p/{learner}', self.root / PAYLOADS / learner,
+                        ('delta', 'meta'))
+    return [] if mngr is None else sorted(mngr.all_steps())
+
+  def publish_payload(self, learner: str, seq: int, delta: Any,
+                      meta: dict[str, Any]) -> None:
+    """Writes ``learner``'s payload ``seq`` atomically."""
+    check_learner_id(learner)
+    mngr = self._writer(f'p/{learner}', self.root / PAYLOADS / learner,
+                        self.keep_payloads, ('delta', 'meta'))
+    saved = mngr.save(seq, args=ocp.args.Composite(
+        delta=ocp.args.StandardSave(_host(delta)),
+        meta=ocp.args.JsonSave(dict(meta, learner=learner, seq=seq))))
+    mngr.wait_until_finished()
+    if not saved:
+      raise FileExistsError(f'payload {learner}/{seq} exists')
+
+  def read_payload_meta(self, learner: str, seq: int) -> dict[str, Any]:
+    mngr = self._reader(f'p/{learner}', self.root / PAYLOADS / learner,
+                        ('delta', 'meta'))
+    try:
+      return mngr.restore(seq, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))['meta']
+    except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
+      raise Gone(f'payload {learner}/{seq}: {e}') from e
+
+  def read_payload(self, learner: str, seq: int,
+                   delta_like: Any | None = None) -> Payload:
+    """Payload ``seq`` of ``learner``, its delta restored into the
+    structure of ``delta_like`` (default: as saved, numpy arrays)."""
+    mngr = self._reader(f'p/{learner}', self.root / PAYLOADS / learner,
+                        ('delta', 'meta'))
+    try:
+      out = mngr.restore(seq, args=ocp.args.Composite(
+          delta=ocp.args.StandardRestore(
+              None if delta_like is None else _abstract(delta_like)),
+          meta=ocp.args.JsonRestore()))
+    except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
+      raise Gone(f'payload {learner}/{seq}: {e}') from e
+    return Payload(learner, seq, out['meta'], _host(out['delta']))
+
+  def new_payloads(self, consumed: dict[str, int]) -> Iterator[tuple[str,
+                                                                     int]]:
+    """``(learner, seq)`` of every finalized payload past ``consumed``
+    (learner -> highest payload number already consumed), in order."""
+    for learner in self.learners():
+      last = consumed.get(learner, -1)
+      for seq in self.payload_seqs(learner):
+        if seq > last:
+          yield learner, seq
+
+  # ------------------------------------------------------ learner state ---
+  def save_learner_state(self, learner: str, seq: int, state: Any) -> None:
+    """The learner's own state (e.g. its inner optimizer), for a restart
+    that keeps it; two are kept."""
+    check_learner_id(learner)
+    mngr = self._writer(f'l/{learner}', self.root / LEARNERS / learner, 2,
+                        ('state',))
+    mngr.save(seq, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_host(state))))
+    mngr.wait_until_finished()
+
+  def read_learner_state(self, learner: str, state_like: Any
+                         ) -> tuple[int, Any] | None:
+    """``(seq, state)`` of the learner's newest saved state, or None."""
+    mngr = self._reader(f'l/{learner}', self.root / LEARNERS / learner,
+                        ('state',))
+    steps = [] if mngr is None else sorted(mngr.all_steps())
+    if not steps:
+      return None
+    out = mngr.restore(steps[-1], args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_abstract(state_like))))
+    return steps[-1], _host(out['state'])
