@@ -1,10 +1,12 @@
-"""Renderers of the small-model tables of docs/robust_aggregation.md and
-docs/hierarchical.md.
+"""Renderers of the small-model tables of docs/robust_aggregation.md,
+docs/hierarchical.md and docs/moe.md.
 
 ``experiments.robust_aggregation`` (DiLoCo's sync bytes under each
 aggregate, one adversarial worker) and ``experiments.hierarchical_bytes``
 (the group-sync bytes per group codec, the bytes of each phase) write the
-results files; ``experiments.tables`` renders them with these.
+results files, as does ``experiments.moe_study`` (data-parallel vs
+DiLoCo on a Mixture-of-Experts LM and a dense one); ``experiments.tables``
+renders them with these.
 """
 
 import math
@@ -195,4 +197,64 @@ def hierarchical_phases(data: dict[str, Any]) -> str:
     between = _b(r['cross_group_bytes']) if r['cross_group_bytes'] else '0'
     lines.append(f'| {r["phase"]} | {kinds or "none"} | {_joined(r)} | '
                  f'{between} |')
+  return '\n'.join(lines) + '\n'
+
+def _moe_bytes(n: float) -> str:
+  for unit, size in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
+    if n >= size:
+      return f'{n / size:.1f} {unit}'
+  return f'{n:.0f} B'
+
+
+# experiments.moe_study (docs/moe.md)
+def moe_study_main(data: dict[str, Any]) -> str:
+  """One row per run: parameters (total, active), final eval loss, bytes."""
+  res = data['results']
+  s = res['setup']
+  tokens = s['num_steps'] * s['batch_size'] * s['seq_len']
+  lines = [
+      f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} = '
+      f'{tokens:,} tokens; DiLoCo {s["workers"]} workers x '
+      f'{s["devices"] // s["workers"]} devices, H = {s["sync_every"]}, '
+      f'outer Nesterov lr {s["outer_learning_rate"]:g}, momentum '
+      f'{s["outer_momentum"]:g}; AdamW lr {s["learning_rate"]:g} for every '
+      'run (not tuned); one seed.', '',
+      '| run | params | active params | final eval loss '
+      '| cross-worker bytes | syncs |',
+      '|---|---|---|---|---|---|']
+  for r in res['rows']:
+    syncs = (f'{r["steps"]} all-reduces' if r['method'] == 'data_parallel'
+             else str(r['syncs']))
+    lines.append(
+        f'| {r["label"]} | {r["num_params"]:,} | {r["active_params"]:,} '
+        f'| {r["final_eval_loss"]:.4f} '
+        f'| {_moe_bytes(r["cross_worker_bytes"])} '
+        f'| {syncs} |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
+def moe_study_routing(data: dict[str, Any]) -> str:
+  """The MoE runs' routing diagnostics at about five points of the run."""
+  res = data['results']
+  lines = ['| run | step | imbalance | dropped | router entropy (nats) '
+           '| router drift |', '|---|---|---|---|---|---|']
+  for r in res['rows']:
+    curves = r.get('routing') or {}
+    steps = sorted(int(k) for k in curves.get('routing/entropy', {}))
+    if not steps:
+      continue
+    picked = sorted({steps[round(i * (len(steps) - 1) / 4)]
+                     for i in range(5)})
+    for step in picked:
+      get = lambda k: (curves.get(k) or {}).get(str(step),
+                                                (curves.get(k) or {}).get(
+                                                    step))
+      drift = get('routing/router_drift')
+      lines.append(
+          f'| {r["label"]} | {step} | {get("routing/imbalance"):.3f} '
+          f'| {get("routing/dropped"):.3f} '
+          f'| {get("routing/entropy"):.3f} '
+          f'| {"-" if drift is None else f"{drift:.4f}"} |')
   return '\n'.join(lines) + '\n'

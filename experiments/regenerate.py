@@ -111,6 +111,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     # (scanned, remat full): eight compiles, minutes.
     'scale_sync': Benchmark('scale_check', ('--table=scale_sync',),
                             'docs/sharding.md'),
+    # A ~0.86B Mixture-of-Experts LM, experts x fsdp (and tensor); compile
+    # only, minutes.
+    'scale_moe': Benchmark('scale_check', ('--table=scale_moe',),
+                           'docs/moe.md'),
+    # Data-parallel vs DiLoCo on a MoE LM and the dense LM of equal active
+    # parameters, and its routers on their own period (five 600-step runs,
+    # about an hour on 2 shared cores).
+    'moe_study': Benchmark('moe_study', (), 'docs/moe.md'),
     # Small models, seconds each: the bytes of DiLoCo's sync under each
     # aggregate and one adversarial worker; hierarchical DiLoCo's compiled
     # bytes per group codec and per phase.

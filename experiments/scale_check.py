@@ -117,6 +117,24 @@ PRESETS = {
         ('~8B', '8b', {**_SCAN_REMAT, **_TENSOR}, True),
     ),
 }
+
+# A Mixture-of-Experts LM of about 1B parameters (0.86B: 12 blocks of 8
+# top-2 experts of width 4096 at d_model 1024, about 0.25B active per
+# token); its experts split over fsdp (the 'expert' axis rule), then
+# also its expert MLPs over tensor (docs/moe.md).
+_MOE = {'model.d_model': 1024, 'model.num_layers': 12, 'model.d_ff': 4096,
+        'model.num_heads': 8, 'model.moe.num_experts': 8,
+        'model.moe.top_k': 2, **_SCAN_REMAT}
+_XLA = {'model.moe.dispatch': 'xla'}
+PRESETS['scale_moe'] = (
+    ('experts x fsdp, all-to-all', '1b', _MOE, True),
+    ('experts x fsdp, xla', '1b', {**_MOE, **_XLA}, False),
+    ('experts x fsdp, tensor, all-to-all', '1b', {**_MOE, **_TENSOR},
+     False),
+    ('experts x fsdp, tensor, xla', '1b', {**_MOE, **_TENSOR, **_XLA},
+     False),
+)
+
 _TABLE = flags.DEFINE_enum(
     'table', None, list(PRESETS),
     'Measure the rows of this docs table (PRESETS) instead of --config, '

@@ -37,6 +37,8 @@ HAND_WRITTEN = {
     ('claims.md', '| # | claim | paper | command | status | evidence and '
      'why |'): STATUS,
     ('multihost.md', '| flag | behaviour |'): REFERENCE,
+    ('moe.md', '| field | default | meaning |'): REFERENCE,
+    ('moe.md', '| metric | meaning |'): REFERENCE,
     ('api/parallel_train.md', '| Piece | Paper | Config key | Bytes per '
      'sync, per worker | When to use |'): REFERENCE,
     ('resilience.md', '| item | what |'): REFERENCE,
