@@ -77,6 +77,18 @@ def _manager(directory: epath.Path, *, write: bool, keep: int | None,
                                item_names=items, item_handlers=handlers)
 
 
+def _finalized(mngr: ocp.CheckpointManager | None) -> list[int]:
+  """The steps of ``mngr`` that Orbax finished writing: listed by Orbax
+  (no temporary directory) and holding its ``commit_success.txt`` marker
+  (written last on object stores; checked everywhere, so a directory made
+  by anything but a finished Orbax write is never read)."""
+  if mngr is None:
+    return []
+  root = epath.Path(mngr.directory)
+  return sorted(s for s in mngr.all_steps()
+                if (root / str(s) / 'commit_success.txt').exists())
+
+
 def _host(tree: Any) -> Any:
   return jax.tree.map(np.asarray, tree)
 
@@ -148,7 +160,7 @@ class Store:
     """The finalized global versions, oldest first."""
     mngr = self._reader('global', self.root / GLOBAL,
                         ('params', 'outer', 'meta'))
-    return [] if mngr is None else sorted(mngr.all_steps())
+    return _finalized(mngr)
 
   def latest_version(self) -> int | None:
     versions = self.versions()
@@ -201,7 +213,7 @@ class Store:
     """The finalized payload numbers of ``learner``, oldest first."""
     mngr = self._reader(f'p/{learner}', self.root / PAYLOADS / learner,
                         ('delta', 'meta'))
-    return [] if mngr is None else sorted(mngr.all_steps())
+    return _finalized(mngr)
 
   def publish_payload(self, learner: str, seq: int, delta: Any,
                       meta: dict[str, Any]) -> None:
@@ -266,7 +278,7 @@ class Store:
     """``(seq, state)`` of the learner's newest saved state, or None."""
     mngr = self._reader(f'l/{learner}', self.root / LEARNERS / learner,
                         ('state',))
-    steps = [] if mngr is None else sorted(mngr.all_steps())
+    steps = _finalized(mngr)
     if not steps:
       return None
     out = mngr.restore(steps[-1], args=ocp.args.Composite(

@@ -1,0 +1,252 @@
+"""Asynchronous learners and a syncer as separate processes, exchanging
+through an Orbax store in a temporary directory.
+
+One scenario (a module fixture; about 5 process starts of a tiny :mlp model)
+is run once: a syncer (quorum 2) and learners ``a`` and ``b`` start; ``b`` is
+killed with SIGKILL and the merges go on with ``a`` alone; ``b`` restarts
+and rejoins from the newest merged model; the syncer is killed with SIGKILL
+while the learners keep publishing, restarts, resumes from its checkpoint
+(the newest global version) and merges what they published meanwhile. The
+tests below each check one part of it from the processes' JSON-lines logs
+and from the store.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from loc_opt.train.async_learners import store as store_lib
+from loc_opt.train.async_learners import wire
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEP_TIMEOUT_S = 180  # one phase of the scenario, on a busy 2-core machine
+CONFIG = [f'--config={ROOT / "configs" / "diloco_lm.py"}:mlp',
+          '--config.model.hidden=16', '--config.data.seq_len=32',
+          '--config.data.max_bytes=300000', '--config.batch_size=8',
+          '--config.outer.sync_every=4', '--config.num_steps=100000']
+
+
+class _Procs:
+  """The scenario's processes: each in its own session (process group),
+  its output in a file; all killed at the end."""
+
+  def __init__(self, tmp: pathlib.Path):
+    self.tmp, self.procs, self.logs = tmp, {}, {}
+    self.store = tmp / 'store'
+    self.env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT),
+                    XLA_FLAGS='')
+
+  def start(self, name: str, module: str, *args: str) -> None:
+    log = self.tmp / f'{name}.{len(self.logs.get(name, []))}.log'
+    self.logs.setdefault(name, []).append(log)
+    with open(log, 'w') as out:
+      self.procs[name] = subprocess.Popen(
+          [sys.executable, '-m', f'loc_opt.train.async_learners.{module}',
+           *CONFIG, f'--store={self.store}', *args],
+          cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+          start_new_session=True)
+
+  def syncer(self) -> None:
+    self.start('syncer', 'syncer', '--quorum=2', '--liveness_s=4',
+               '--max_staleness=3', '--grace_cap_s=0.2', '--poll_s=0.1')
+
+  def learner(self, name: str, index: int) -> None:
+    self.start(name, 'learner', f'--learner={name}', f'--index={index}',
+               '--num_learners=2', '--slowdown_s=0.05',
+               *(['--codec=int8'] if name == 'b' else []))
+
+  def kill(self, name: str) -> None:
+    proc = self.procs.pop(name)
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+  def kill_all(self) -> None:
+    for name in list(self.procs):
+      self.kill(name)
+
+  def events(self, name: str, run: int | None = None) -> list[dict]:
+    out = []
+    for log in (self.logs[name] if run is None else [self.logs[name][run]]):
+      for line in log.read_text().splitlines():
+        if line.startswith('{'):
+          try:
+            out.append(json.loads(line))
+          except json.JSONDecodeError:
+            pass  # a line cut by SIGKILL
+    return out
+
+  def wait(self, what: str, predicate) -> None:
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < deadline:
+      for name, proc in self.procs.items():
+        if proc.poll() is not None:
+          raise AssertionError(f'{name} exited ({proc.returncode}) while '
+                               f'waiting for {what}:\n'
+                               + self.logs[name][-1].read_text()[-3000:])
+      if predicate():
+        return
+      time.sleep(0.2)
+    raise AssertionError(f'timed out waiting for {what}')
+
+  def merges(self, run: int | None = None) -> list[dict]:
+    return [e for e in self.events('syncer', run) if e['event'] == 'merge']
+
+  def payloads(self, name: str) -> list[dict]:
+    return [e for e in self.events(name) if e['event'] == 'payload']
+
+
+@pytest.fixture(scope='module')
+def scenario(tmp_path_factory):
+  p = _Procs(tmp_path_factory.mktemp('async_learners'))
+  marks = {}
+  try:
+    p.syncer()
+    p.learner('a', 0)
+    p.learner('b', 1)
+    p.wait('2 merges', lambda: len(p.merges()) >= 2)
+    # a learner dies: merges go on without it
+    marks['b_seq_before'] = max(e['seq'] for e in p.payloads('b'))
+    p.kill('b')
+    marks['kill_b_version'] = p.merges()[-1]['version']
+    p.wait('3 merges after b died', lambda: p.merges()[-1]['version']
+           >= marks['kill_b_version'] + 3)
+    # it restarts and rejoins
+    p.learner('b', 1)
+    p.wait('a merge of the restarted b', lambda: any(
+        ['b', s] in m['payloads'] for m in p.merges()
+        for s in range(marks['b_seq_before'] + 1, 10_000)))
+    # the syncer dies; the learners go on; it restarts and resumes
+    p.kill('syncer')
+    marks['kill_syncer_version'] = p.merges()[-1]['version']
+    counts = {n: len(p.payloads(n)) for n in 'ab'}
+    p.wait('2 payloads each while the syncer is down', lambda: all(
+        len(p.payloads(n)) >= counts[n] + 2 for n in 'ab'))
+    marks['down_payloads'] = {
+        n: [e['seq'] for e in p.payloads(n)][counts[n]:] for n in 'ab'}
+    p.syncer()
+    p.wait('2 merges of the restarted syncer',
+           lambda: len(p.merges(run=1)) >= 2)
+  finally:
+    p.kill_all()
+  return p, marks
+
+
+def test_merges_go_on_after_a_learner_is_killed(scenario):
+  p, marks = scenario
+  after = [m for m in p.merges(run=0)
+           if m['version'] > marks['kill_b_version']]
+  # the merges right after the kill hold a's payloads (b's last ones may be
+  # among the first); later ones, until b is back, only a's
+  assert len(after) >= 3
+  learners_after = [{l for l, _ in m['payloads']} for m in after[1:3]]
+  assert all(ls == {'a'} for ls in learners_after), learners_after
+
+
+def test_the_restarted_learner_rejoins_from_the_newest_model(scenario):
+  p, marks = scenario
+  first, second = (p.events('b', 0), p.events('b', 1))
+  start = [e for e in second if e['event'] == 'start'][0]
+  assert start['rejoined']
+  assert start['version'] >= marks['kill_b_version'] + 3
+  assert start['seq'] == marks['b_seq_before'] + 1  # numbers continue
+  # its own inner state and step count were kept (rejoin_state='keep')
+  assert start['step'] > 0
+  assert [e for e in first if e['event'] == 'start'][0]['rejoined'] is False
+
+
+def test_the_restarted_syncer_resumes_from_its_checkpoint(scenario):
+  p, marks = scenario
+  resumed = [e for e in p.events('syncer', 1) if e['event'] == 'resumed']
+  assert resumed and resumed[0]['version'] == marks['kill_syncer_version']
+  new = p.merges(run=1)
+  assert new[0]['version'] == marks['kill_syncer_version'] + 1
+  merged = {tuple(x) for m in new for x in m['payloads']}
+  # what the learners published while it was down reached a merge (or was
+  # dropped as stale, which the counters show)
+  down = {(n, s) for n, seqs in marks['down_payloads'].items() for s in seqs}
+  assert down & merged, (down, merged)
+
+
+def test_no_payload_is_merged_twice(scenario):
+  p, _ = scenario
+  merged = [tuple(x) for m in p.merges() for x in m['payloads']]
+  assert merged and len(merged) == len(set(merged))
+  versions = [m['version'] for m in p.merges()]
+  assert versions == sorted(versions) and len(set(versions)) == len(versions)
+
+
+def test_the_store_counts_what_was_merged_and_sent(scenario):
+  p, _ = scenario
+  store = store_lib.Store(p.store)
+  latest = store.latest_version()
+  assert latest == p.merges()[-1]['version']
+  from loc_opt.train.async_learners import syncer  # pylint: disable=g-import-not-at-top
+  _, _, meta = store.read_global(latest, syncer.init_params(_tiny()), None)
+  assert meta['syncer_starts'] == 2
+  assert meta['merges'] == latest
+  assert meta['payloads_merged'] == sum(len(m['payloads'])
+                                        for m in p.merges())
+  # b's payloads are int8: a quarter of a's float32 bytes plus scales
+  a_bytes = p.payloads('a')[0]['bytes']
+  b_bytes = p.payloads('b')[0]['bytes']
+  assert a_bytes / 4.5 < b_bytes < a_bytes / 3.5
+  store.close()
+
+
+def _tiny():
+  from configs import diloco_lm  # pylint: disable=g-import-not-at-top
+  c = diloco_lm.get_config('mlp')
+  c.model.hidden = 16
+  return c
+
+
+# ------------------------------------------------- store and wire, alone ---
+def test_versions_are_atomic_and_never_overwritten(tmp_path):
+  store = store_lib.Store(tmp_path)
+  params = {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}
+  store.publish_global(0, params, {'m': np.zeros(3, np.float32)}, {'n': 1})
+  # a write cut short (Orbax's temporary directory, or a directory without
+  # Orbax's commit marker) is never listed
+  (tmp_path / 'global' / '1.orbax-checkpoint-tmp-12345').mkdir()
+  (tmp_path / 'global' / '2' / 'params').mkdir(parents=True)
+  assert store.versions() == [0]
+  with pytest.raises(FileExistsError, match='never overwritten'):
+    store.publish_global(0, params, {'m': np.ones(3, np.float32)}, {})
+  got, outer, meta = store_lib.Store(tmp_path).read_global(
+      0, params, {'m': np.zeros(3, np.float32)})
+  np.testing.assert_array_equal(got['w'], params['w'])
+  assert meta == {'n': 1, 'version': 0} and outer['m'].shape == (3,)
+  with pytest.raises(ValueError, match='learner id'):
+    store.publish_payload('a/b', 0, params, {})
+  store.close()
+
+
+@pytest.mark.parametrize('codec, tol', [(None, 0.), ('int8', 0.02)])
+def test_payloads_round_trip_through_the_store(tmp_path, codec, tol):
+  delta = {'a': np.linspace(-1, 1, 300, dtype=np.float32),
+           'b': {'c': np.ones((3, 5), np.float32)}}
+  stored, nbytes, decoded = wire.encode(delta, codec, seed=3)
+  assert nbytes == (1260 if codec is None else 780)  # 315 x 4; int8 blocks
+  store = store_lib.Store(tmp_path)
+  store.publish_payload('a', 7, stored, {'codec': codec, 'seed': 3})
+  assert list(store.new_payloads({})) == [('a', 7)]
+  assert list(store.new_payloads({'a': 7})) == []
+  back = store.read_payload('a', 7)
+  got = wire.decode(back.delta, back.meta['codec'], back.meta['seed'], delta)
+  for x, y, z in zip(*(jax_leaves(t) for t in (got, decoded, delta))):
+    np.testing.assert_array_equal(x, y)  # what the learner's feedback saw
+    assert np.abs(x - z).max() <= tol
+  store.close()
+
+
+def jax_leaves(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.leaves(tree)
