@@ -17,12 +17,12 @@ def _config_and_store():
   return config, store
 
 
-def run_syncer() -> None:
-  """``python -m loc_opt.train.async_learners.syncer``."""
-  from loc_opt.train.async_learners import syncer  # pylint: disable=g-import-not-at-top
+def run_syncer(main_fn, options_cls) -> None:
+  """``python -m loc_opt.train.async_learners.syncer``: ``main_fn`` and
+  ``options_cls`` are that module's ``main`` and ``SyncerOptions``."""
   config, store = _config_and_store()
   fields = {}
-  for f in dataclasses.fields(syncer.SyncerOptions):
+  for f in dataclasses.fields(options_cls):
     define = {int: flags.DEFINE_integer, float: flags.DEFINE_float,
               str: flags.DEFINE_string}[type(f.default)]
     fields[f.name] = define(f.name, f.default, f'SyncerOptions.{f.name}.')
@@ -36,24 +36,24 @@ def run_syncer() -> None:
     del argv
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update('jax_platforms', 'cpu')  # host-only
-    options = syncer.SyncerOptions(**{k: v.value for k, v in fields.items()})
-    syncer.main(config.value, store.value, options,
+    options = options_cls(**{k: v.value for k, v in fields.items()})
+    main_fn(config.value, store.value, options,
                 max_versions=max_versions.value,
                 max_seconds=max_seconds.value, log_path=log.value)
 
   app.run(main)
 
 
-def run_learner() -> None:
-  """``python -m loc_opt.train.async_learners.learner``."""
-  from loc_opt.train.async_learners import learner  # pylint: disable=g-import-not-at-top
+def run_learner(main_fn, rejoin_states) -> None:
+  """``python -m loc_opt.train.async_learners.learner``: ``main_fn`` and
+  ``rejoin_states`` are that module's ``main`` and ``REJOIN_STATES``."""
   config, store = _config_and_store()
   name = flags.DEFINE_string('learner', None, 'This learner\'s id.')
   index = flags.DEFINE_integer('index', 0, 'Its data shard.')
   num = flags.DEFINE_integer('num_learners', 1, 'Data shards.')
   codec = flags.DEFINE_string('codec', None, 'Payload codec (e.g. int8).')
   rejoin = flags.DEFINE_enum('rejoin_state', 'keep', list(
-      learner.REJOIN_STATES), 'Inner state on a restart.')
+      rejoin_states), 'Inner state on a restart.')
   slow = flags.DEFINE_float('slowdown_s', 0., 'Sleep after each step.')
   rounds = flags.DEFINE_integer('max_rounds', None, 'Stop after N rounds.')
   stop = flags.DEFINE_integer('stop_at_version', None,
@@ -62,7 +62,7 @@ def run_learner() -> None:
 
   def main(argv):
     del argv
-    learner.main(config.value, store.value, name.value, index=index.value,
+    main_fn(config.value, store.value, name.value, index=index.value,
                  num_learners=num.value, codec=codec.value,
                  rejoin_state=rejoin.value, slowdown_s=slow.value,
                  max_rounds=rounds.value, stop_at_version=stop.value)

@@ -209,4 +209,4 @@ def main(config: ml_collections.ConfigDict, store_path: str, learner: str,
 
 if __name__ == '__main__':
   from loc_opt.train.async_learners import _cli  # pylint: disable=g-import-not-at-top
-  _cli.run_learner()
+  _cli.run_learner(main, REJOIN_STATES)

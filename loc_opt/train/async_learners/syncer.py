@@ -354,4 +354,4 @@ def main(config: ml_collections.ConfigDict, store_path: str,
 
 if __name__ == '__main__':
   from loc_opt.train.async_learners import _cli  # pylint: disable=g-import-not-at-top
-  _cli.run_syncer()
+  _cli.run_syncer(main, SyncerOptions)
