@@ -85,14 +85,15 @@ def time_variants(config, variants: dict[str, dict[str, Any]], rounds: int,
   timed in alternating blocks."""
   from loc_opt.train import config as cfg_lib  # pylint: disable=g-import-not-at-top
 
-  programs, tokens = {}, {}
-  for name, overrides in variants.items():
+  configs = {}
+  for name, overrides in variants.items():  # every variant before a compile
     try:
-      c = cfg_lib.with_overrides(config, overrides)
+      configs[name] = cfg_lib.with_overrides(config, overrides)
     except KeyError as e:
       raise ValueError(f'variant {name!r}: {e.args[0]}') from e
-    programs[name] = _runs.inner_step(c)[1]
-    tokens[name] = c.batch_size * c.data.seq_len
+  programs = {name: _runs.inner_step(c)[1] for name, c in configs.items()}
+  tokens = {name: c.batch_size * c.data.seq_len
+            for name, c in configs.items()}
   times = _runs.time_alternating(programs, rounds, block, warmup)
   out = {}
   for name, ts in times.items():
