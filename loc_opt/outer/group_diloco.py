@@ -121,7 +121,10 @@ def group_diloco(
     sync_every: ``H``, the period of the other parameters.
     group_sync_every: ``H_g``, the group's period.
     pattern: regular expression of the group's leaf paths (the routers by
-      default); a leaf matches when ``re.search`` finds it in its path.
+      default); a leaf matches when ``re.search`` finds it in its path
+      (keys joined by ``'/'``). A pattern that matches no leaf leaves the
+      group empty: the method is then DiLoCo, and the group's phases move
+      nothing (a dense model under the default pattern).
     outer: the main outer optimizer (default
       :func:`loc_opt.outer._local.nesterov_outer`).
     group_outer: the group's outer optimizer (default: as ``outer``'s
@@ -160,9 +163,6 @@ def group_diloco(
 
   def parts(params):
     mask = group_mask(params, pattern)
-    if not any(mask):
-      raise ValueError(f'pattern {pattern!r} matches no parameter (leaf '
-                       'paths join their keys with "/")')
     return {MAIN: [i for i, m in enumerate(mask) if not m],
             GROUP: [i for i, m in enumerate(mask) if m]}
 

@@ -113,11 +113,13 @@ def test_bad_phase_is_refused(bad):
     tx.update(params, state, params, sync=bad)
 
 
-def test_a_pattern_matching_nothing_is_refused():
-  tx = group_diloco(optax.sgd(0.1), sync_every=2, group_sync_every=1,
-                    axis_name=None)
-  with pytest.raises(ValueError, match='matches no parameter'):
-    tx.init(conf.example_params())
+def test_an_empty_group_is_diloco():
+  """The default pattern on a model without routers: no group, DiLoCo."""
+  tx = group_diloco(optax.adam(1e-2), sync_every=3, group_sync_every=2)
+  got, _ = _run_planned(tx, group_diloco_plan(3, 2), 7)
+  want, _ = helpers.run_workers(
+      loc_opt.diloco(optax.adam(1e-2), sync_every=3), 7)
+  conf.assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_router_pattern_matches_the_moe_routers():

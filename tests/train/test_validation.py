@@ -87,6 +87,10 @@ _BAD = [
     for method in ('diloco', 'local_sgd', 'streaming_diloco', 'eager_diloco',
                    'noloco', 'sparseloco', 'desloc', 'edit_diloco', 'co2',
                    'async_local_sgd', 'decoupled_diloco', 'hierarchical_diloco')
+] + [
+    # Both of group_diloco's periods longer than the run.
+    ({'outer.method': 'group_diloco', 'outer.sync_every': _TOO_LONG,
+      'outer.group_diloco.sync_every': _TOO_LONG}, 'outer.sync_every'),
 ]
 
 
