@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 WORKDIR ?= workdirs/demo
 
-.PHONY: setup demo test docs clean overlap-gpu
+.PHONY: setup demo test test-fast docs clean overlap-gpu
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ overlap-gpu: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+# A subset for iteration, not what CI runs: leaves out the end-to-end runs
+# of the trainer, the notebooks and the plots (marked slow in tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m 'not slow' tests
 
 # The docs toolchain (Sphinx, MyST-NB, the theme) is installed here only, so
 # `make test` does not need it.

@@ -35,6 +35,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 8)
 
@@ -52,9 +53,10 @@ def pytest_collection_modifyitems(config, items):
   tests stay together (module fixtures are built once) and in file order.
   """
   del config
-  items.sort(key=lambda item: not (
-      item.module.__name__.startswith(_LONG_RUNS) or
-      item.get_closest_marker('slow')))
+  for item in items:  # `-m "not slow"` (make test-fast) leaves them out
+    if item.module.__name__.startswith(_LONG_RUNS):
+      item.add_marker(pytest.mark.slow)
+  items.sort(key=lambda item: not item.get_closest_marker('slow'))
 
 
 # CPU seconds per test (`--cpu-durations=N`): the process's own and its
@@ -74,9 +76,6 @@ def _cpu_seconds() -> float:
   own = resource.getrusage(resource.RUSAGE_SELF)
   kids = resource.getrusage(resource.RUSAGE_CHILDREN)
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-import pytest  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)
