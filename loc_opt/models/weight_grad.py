@@ -18,8 +18,9 @@ back). The copies are kept behind optimization barriers
 (:func:`transposed`, :func:`transpose_of_product`): otherwise XLA folds them
 back into the dot as a contraction over the leading axis of both operands,
 which XLA:CPU runs through Eigen with a slow strided packing. Each product
-sums the same terms; on XLA:CPU the dense layers' gradients of the
-reference LM are bit-identical to JAX's rule (``tests/models``). The
+sums the same terms, in an order that the CPU's matmul kernels choose: the
+dense layers' gradients of the reference LM agree with JAX's rule to float32
+rounding (``tests/models``; bit for bit on some CPUs, not on all). The
 Transformer's attention uses the same two helpers for its key and value
 gradients (``loc_opt.models.attention``).
 
