@@ -61,9 +61,13 @@ def _axis_size(mesh: jax.sharding.Mesh, entry) -> int:
   return size
 
 
-def _leaf_spec(path, leaf, specs: dict[tuple, Any], mesh=None):
+def _leaf_spec(path, leaf, specs: dict[tuple, Any], mesh=None, *,
+               pieces=None):
   """The within-worker spec of a state leaf: the param whose key path is the
-  longest suffix of the leaf's path (and shape matches), else replicated.
+  longest suffix of the leaf's path (and shape matches), else (with
+  ``pieces``: the mesh and 1 under a leading worker axis, else 0) the spec
+  of the parameter it is a piece of
+  (:func:`_piece_spec`), else replicated.
 
   With ``mesh``, a leaf may also be a row shard of its parameter (the same
   shape but the leading axis; ``outer.state_layout='sharded'``): it takes
@@ -84,6 +88,34 @@ def _leaf_spec(path, leaf, specs: dict[tuple, Any], mesh=None):
       if tail[0] % _axis_size(mesh, entries[0]):
         entries = (None,) + entries[1:]
       return P(*entries)
+  if pieces is not None:
+    return _piece_spec(leaf, specs, *pieces)
+  return P()
+
+
+def _piece_spec(leaf, specs: dict[tuple, Any], mesh, lead: int) -> Any:
+  """The spec of a state leaf that no parameter path names but that is a
+  piece of a parameter, by shape: Streaming DiLoCo's per-fragment outer
+  state, in-flight buffers (lists over the fragment's pieces: whole leaves,
+  or rows of a stacked leaf's leading axis). The parameters whose shape it
+  has (a whole leaf), or whose shape but the leading axis it has (rows of
+  a stacked leaf), give its spec (the leading entry dropped where the
+  piece's rows do not divide over it); issue 46: before, every such piece
+  was replicated inside the worker. Where parameters of that shape differ
+  in spec (an attention block's square kernels), the first one's is taken:
+  the piece is split over the same devices, and a sync may move it to its
+  own parameter's layout inside the worker. Leaves under 2-D stay
+  replicated."""
+  for spec, shape in specs.values():
+    if len(shape) < 2 or len(leaf.shape) - len(shape) != lead:
+      continue
+    tail = tuple(leaf.shape[-len(shape):])
+    if tail[1:] != shape[1:]:
+      continue
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    if tail[0] != shape[0] and tail[0] % _axis_size(mesh, entries[0]):
+      entries = (None,) + entries[1:]
+    return P(*entries)
   return P()
 
 
@@ -107,7 +139,9 @@ def state_shardings(abstract_state, specs, mesh, per_worker: bool, *,
     top = str(path[0]) if path else ''
     if top in ("['opt_state']", "['params']"):
       rows = jax.tree_util.keystr(tuple(path[:2])) in shard_paths
-      spec = _leaf_spec(path[1:], leaf, by_path, mesh if rows else None)
+      spec = _leaf_spec(path[1:], leaf, by_path, mesh if rows else None,
+                        pieces=(mesh, int(per_worker))
+                        if top == "['opt_state']" else None)
       if per_worker:
         spec = P(parallel.WORKER, *spec)
       return jax.NamedSharding(mesh, spec)

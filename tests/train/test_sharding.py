@@ -189,3 +189,26 @@ def test_sync_step_keeps_the_model_data_parallel(data_dir):
   param_bytes = 4 * exp.model.num_params
   assert within[inner] > 0
   assert within[sync] - within[inner] <= 2 * param_bytes * devices, within
+
+
+def test_scale_lm_accelerator_starting_points():
+  """configs/scale_lm.py:SIZE,accelerator: the size's model, scanned, the
+  backend-resolved options spelled out with their accelerator values,
+  2 workers x 8 devices and a batch that splits over them; a bad variant
+  is named."""
+  from configs import scale_lm  # pylint: disable=g-import-not-at-top
+  for size in scale_lm.SIZES:
+    base = scale_lm.get_config(size)
+    accel = scale_lm.get_config(f'{size},accelerator')
+    for field in ('d_model', 'num_layers', 'd_ff', 'num_heads', 'dtype'):
+      assert accel.model[field] == base.model[field]
+    assert (accel.model.backward, accel.model.weight_grad,
+            accel.model.attention) == ('xla', 'xla', 'auto')
+    assert accel.model.scan_layers and accel.model.remat != 'none'
+    m = accel.mesh
+    assert m.workers * m.data * m.fsdp * m.tensor == 16
+    assert accel.batch_size % (m.workers * m.data * m.fsdp) == 0
+    # The CPU config keeps the CPU defaults.
+    assert (base.model.backward, base.model.attention) == ('auto', 'einsum')
+  with pytest.raises(ValueError, match="'SIZE,accelerator'"):
+    scale_lm.get_config('1b,gpu')
