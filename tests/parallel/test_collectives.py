@@ -66,3 +66,50 @@ def test_worker_mean_of_a_tree_is_one_reduction_and_one_gather():
     anchor = np.asarray(anchor)
     want = anchor - 0.7 * 0.5 * anchor.mean(0, keepdims=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('fsdp,tensor', [(2, 1), (2, 2)])
+def test_large_leaves_are_averaged_in_their_own_sharding(fsdp, tensor):
+  """Under FSDP (and tensor parallelism) a leaf of at least bucket_size
+  elements is averaged in place: each device all-reduces its own block
+  across workers, no all-gather inside the worker, and no device holds the
+  leaf whole; the small leaves share one flat bucket. Same values as a
+  pmean (issue 46)."""
+  inside = fsdp * tensor
+  workers = 8 // inside
+  mesh = parallel.make_worker_mesh(workers, fsdp=fsdp, tensor=tensor)
+  rng = np.random.default_rng(0)
+  tree = {'w': rng.normal(size=(workers, 64, 32)),
+          'v': rng.normal(size=(workers, 32, 64)),
+          'b': rng.normal(size=(workers, 30)), 's': np.ones((workers,))}
+  split = {'w': jax.P('worker', 'fsdp', 'tensor' if tensor > 1 else None),
+           'v': jax.P('worker', 'tensor' if tensor > 1 else None, 'fsdp'),
+           'b': jax.P('worker'), 's': jax.P('worker')}
+  tree = jax.tree.map(lambda x, p: jax.device_put(
+      x.astype(np.float32), jax.NamedSharding(mesh, p)), tree, split)
+  mean = parallel.worker_mean(bucket_size=1024)
+  fast = jax.jit(parallel.shard_map_workers(mean, mesh))
+  plain = jax.jit(parallel.shard_map_workers(
+      lambda t: jax.lax.pmean(t, 'worker'), mesh))
+  for got, want in zip(jax.tree.leaves(fast(tree)),
+                       jax.tree.leaves(plain(tree))):
+    np.testing.assert_array_equal(got, want)
+  compiled = fast.lower(tree).compile()
+  report = parallel.collective_bytes(compiled, mesh)
+  # w and v: their blocks, once; b and s: one bucket of 31, padded.
+  padded = -(-31 // inside) * inside
+  assert report.cross_worker_bytes_per_worker == 4 * (2 * 64 * 32 + padded)
+  # No within-worker collective moves a block of w or v (only the small
+  # bucket's gather back), and no device holds w, v or their flat copy.
+  block = 4 * 64 * 32 // inside
+  assert all(c.bytes_per_device < block
+             for c in report.collectives if not c.cross_worker), \
+      report.summary()
+  text = compiled.as_text()
+  for whole in ('f32[64,32]', 'f32[32,64]', 'f32[2048]'):
+    assert whole not in text
+
+
+def test_bucket_size_must_be_positive():
+  with pytest.raises(ValueError, match='bucket_size'):
+    parallel.worker_mean(bucket_size=0)(np.ones(3))

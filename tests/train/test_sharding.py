@@ -116,6 +116,29 @@ def test_sync_step_memory_and_bytes_near_the_inner_steps(fsdp, tensor,
   assert 4 * num_params <= cross <= 1.01 * 4 * num_params, cross
 
 
+@pytest.mark.usefixtures('compile_on_use')
+def test_streaming_fragment_state_is_sharded_like_its_parameters():
+  """Streaming DiLoCo's per-fragment outer state and in-flight buffers
+  (lists of pieces, no parameter paths) are split inside a worker like
+  the parameters they are pieces of (issue 46: they were replicated),
+  the rows of stacked leaves included."""
+  c = _config(4, 1)
+  c.model.scan_layers = True
+  c.outer.method = 'streaming_diloco'
+  c.outer.sync_every, c.outer.streaming_diloco.num_fragments = 10, 2
+  exp = experiment.build_experiment(c)
+  checked = 0
+  for (path, sharding), leaf in zip(
+      jax.tree_util.tree_leaves_with_path(exp.shardings),
+      jax.tree.leaves(exp.abstract_state)):
+    name = jax.tree_util.keystr(path)
+    if ('.outer_state' in name or '.in_flight' in name) and leaf.ndim >= 3:
+      assert 'fsdp' in jax.tree.leaves(tuple(sharding.spec)), (name,
+                                                               sharding)
+      checked += 1
+  assert checked >= 10, checked
+
+
 def test_streaming_diloco_with_scanned_layers_trains(data_dir, tmp_path):
   """Streaming DiLoCo on a scanned model in the trainer (fragments split the
   stacked leaves by layer), workers=2 x data=2 x fsdp=2, one round of
