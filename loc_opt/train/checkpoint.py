@@ -346,6 +346,7 @@ class Checkpointer:
     self.verified: set[int] = set()
     # Unreadable steps that could not be moved aside (skipped, named).
     self.stuck: set[int] = set()
+    self._checked = False  # whether the last restore matched digests
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -503,7 +504,8 @@ class Checkpointer:
           where = ''
         self.warn(f'checkpoint at step {e.step} is unreadable ({e.reason}); '
                   f'resuming from step {s}{where}')
-      self.verified.add(s)
+      if self._checked:
+        self.verified.add(s)
       return s, state
     raise CheckpointError(
         f'no readable checkpoint in {self.dir}: '
@@ -559,15 +561,20 @@ class Checkpointer:
 
   def _verify(self, step: int, where: pathlib.Path, saved_tree: Any) -> None:
     """Checks the arrays read back against the digests saved with them
-    (a checkpoint written before digests has none to check)."""
+    (a checkpoint written before digests, or with digests of another
+    kind, has none to check: then it does not count as verified)."""
+    self._checked = False
     if not (where / 'digests').exists():
       return
     try:
       saved = self.manager.restore(
           step, args=ocp.args.Composite(digests=ocp.args.JsonRestore()))
-      saved = saved['digests']['arrays']
+      saved = saved['digests']
+      algorithm, saved = saved.get('algorithm'), saved['arrays']
     except Exception as e:  # pylint: disable=broad-except
       raise _Unreadable(step, where, e) from e
+    if algorithm != integrity.ALGORITHM:
+      return  # digests of another kind (another version): not checkable
     now, _ = integrity.inspect(saved_tree)
     bad = integrity.mismatches(saved, now)
     if bad:
@@ -575,6 +582,7 @@ class Checkpointer:
       raise _Unreadable(step, where, reason=(
           f'checksum mismatch in {bad[0]}{more}: the bytes read back differ '
           'from those saved (a file changed after it was written)'))
+    self._checked = True
 
   def _layout_info(self, step: int) -> dict[str, Any] | None:
     """The ``layout`` item of checkpoint ``step`` (None: it has none, the

@@ -293,3 +293,18 @@ def test_a_half_written_save_is_never_picked(full_run, tmp_path):
   assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 12
   ckpt.close()
   assert not lines
+
+
+def test_digests_of_another_kind_are_not_checked_nor_count_as_verified(
+    full_run, tmp_path):
+  config, _, _ = full_run
+  workdir = _copy(full_run, tmp_path)
+  meta = workdir / 'checkpoints' / '12' / 'digests' / 'metadata'
+  value = json.loads(meta.read_text())
+  assert value['algorithm'] == integrity.ALGORITHM
+  value['algorithm'] = 'some-other-digest-v0'
+  meta.write_text(json.dumps(value))
+  exp, ckpt = _checkpointer(workdir, [], config=config)
+  assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 12
+  assert ckpt.verified == set()
+  ckpt.close()
