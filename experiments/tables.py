@@ -30,6 +30,7 @@ import sys
 import textwrap
 from typing import Any, Callable
 
+from experiments import _async_tables
 from experiments import _ckpt_tables
 from experiments import _claims
 from experiments import _compress_tables
@@ -147,6 +148,8 @@ def _corpus_phrase(data: dict[str, Any]) -> str:
 # Results that experiments.regenerate does not make (they need JAX's CUDA
 # plugin or a GPU): how to make them again.
 _REGENERATE = {
+    'async_chaos': '`nice -n 19 python -m experiments.async_chaos '
+                   '--out=DIR --seconds=150` (copy DIR/async_chaos.json)',
     'overlap_gpu': '`make overlap-gpu WORKDIR=DIR` (no GPU needed)',
     'overlap_gpu_h100': '`bash experiments/reference/overlap_h100.sh` on a '
                         'machine with one GPU',
@@ -375,6 +378,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('hierarchical_bytes', 'phases'): _small_tables.hierarchical_phases,
     ('checkpoint_size', 'main'): _ckpt_tables.checkpoint_size_main,
     ('dropout', 'main'): _fault_tables.dropout_main,
+    ('async_chaos', 'main'): _async_tables.async_chaos_main,
     ('hierarchical', 'main'): _fault_tables.hierarchical_main,
     ('decoupled', 'main'): _fault_tables.decoupled_main,
     ('compression_tradeoff', 'main'):

@@ -250,3 +250,18 @@ def test_payloads_round_trip_through_the_store(tmp_path, codec, tol):
 def jax_leaves(tree):
   import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.leaves(tree)
+
+
+def test_the_chaos_schedule_is_seeded_and_kills_only_live_learners():
+  from experiments import async_chaos  # pylint: disable=g-import-not-at-top
+  events = async_chaos.schedule(0, 100., 6, 15.)
+  assert events == async_chaos.schedule(0, 100., 6, 15.)
+  assert events != async_chaos.schedule(1, 100., 6, 15.)
+  assert [e for e in events if e[2] == 'syncer'] == [(50., 'kill', 'syncer')]
+  down = set()
+  for t, what, proc in events:
+    if proc == 'syncer':
+      continue
+    assert 0 <= t and (proc not in down) == (what == 'kill'), (t, what, proc)
+    (down.add if what == 'kill' else down.discard)(proc)
+  assert not down  # every killed learner is restarted
