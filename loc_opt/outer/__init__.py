@@ -24,6 +24,9 @@ by the method's :class:`Plan` (see :mod:`loc_opt.outer.plan`).
   (:mod:`~loc_opt.outer.hierarchical`).
 * Robust aggregation of pseudo-gradients (:mod:`~loc_opt.outer.robust`):
   median, trimmed mean, norm-clipped mean (``diloco(..., aggregate=...)``).
+* Staleness-aware options of an asynchronous syncer's outer step
+  (:mod:`~loc_opt.outer.staleness`): age-weighted deltas, stale deltas
+  corrected against the outer momentum, outer-momentum restarts.
 """
 
 from loc_opt.outer._local import nesterov_outer
@@ -110,6 +113,10 @@ from loc_opt.outer.sparseloco import sparseloco
 from loc_opt.outer.sparseloco import sparseloco_eval_params
 from loc_opt.outer.sparseloco import sparseloco_payload_bytes
 from loc_opt.outer.sparseloco import sparseloco_plan
+from loc_opt.outer.staleness import momentum_restarts
+from loc_opt.outer.staleness import scale_by_age
+from loc_opt.outer.staleness import stale_momentum_correction
+from loc_opt.outer.staleness import staleness_outer
 from loc_opt.outer.streaming_diloco import default_fragments
 from loc_opt.outer.streaming_diloco import fragment_bytes
 from loc_opt.outer.streaming_diloco import fragment_ids
