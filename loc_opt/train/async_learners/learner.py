@@ -31,6 +31,7 @@ inner optimizer state and step count are its own last saved ones
 """
 
 import functools
+import json
 import sys
 import time
 from typing import Any
@@ -128,7 +129,6 @@ class Learner:
 
   def _log(self, event: str, **fields) -> None:
     if self.log is not None:
-      import json  # pylint: disable=g-import-not-at-top
       self.log.write(json.dumps({'event': event, 'learner': self.id,
                                  'time': time.time(), **fields}) + '\n')
       self.log.flush()

@@ -19,7 +19,9 @@ Decoupled DiLoCo's rules, in wall-clock seconds:
   :mod:`loc_opt.outer.decoupled_clock`, with ``xi_step`` the slowest
   learner's seconds per inner step as the payloads report it, ``open`` the
   time of the previous merge and ``xi_sync`` an EMA of the merge time),
-  then merges every payload that arrived by ``q + g``;
+  then merges every payload that arrived by ``q + g`` (two payloads of one
+  learner, e.g. of a fast learner while the syncer was down, enter as two
+  entries: each is a different round's progress);
 * **staleness bound**: a payload whose base version is more than
   ``max_staleness`` versions old is dropped (counted with its tokens);
 * **merge**: each payload weighted by ``c_tokens^2 / c_steps``
