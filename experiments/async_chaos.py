@@ -56,7 +56,7 @@ CONFIG = {'model.hidden': 32, 'data.seq_len': 32, 'data.max_bytes': 300_000,
 _OUT = flags.DEFINE_string('out', None, 'Output directory.')
 _SECONDS = flags.DEFINE_float('seconds', 120., 'Window of each run.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the failure schedule.')
-_PACE = flags.DEFINE_float('pace_s', 0.05, 'Sleep after each inner step.')
+_PACE = flags.DEFINE_float('pace_s', 0.25, 'Sleep after each inner step.')
 _SLOW = flags.DEFINE_float('slow_factor', 3., 'Learner 3 sleeps this x.')
 _KILLS = flags.DEFINE_integer('kills', 4, 'Learner kills per chaos run.')
 _DOWN = flags.DEFINE_float('down_s', 15., 'Mean learner downtime (s).')
@@ -251,6 +251,8 @@ def _eval_loss(params) -> float:
 
 def main(argv):
   del argv
+  # a SIGTERM ends the run through its finally: its processes are killed
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
   out = pathlib.Path(_OUT.value)
   start = time.time()
   results = {}

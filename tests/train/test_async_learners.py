@@ -265,3 +265,58 @@ def test_the_chaos_schedule_is_seeded_and_kills_only_live_learners():
     assert 0 <= t and (proc not in down) == (what == 'kill'), (t, what, proc)
     (down.add if what == 'kill' else down.discard)(proc)
   assert not down  # every killed learner is restarted
+
+
+def test_the_syncer_merges_with_the_decoupled_rules_and_drops_stale(
+    tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from loc_opt.outer.decoupled_diloco import merge_stacked  # pylint: disable=g-import-not-at-top
+  from loc_opt.outer.decoupled_diloco import token_weight  # pylint: disable=g-import-not-at-top
+  from loc_opt.train.async_learners import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  init = {'embed': {'embedding': rng.normal(size=(4, 3)).astype(np.float32)},
+          'dense': {'kernel': rng.normal(size=(3, 5)).astype(np.float32)}}
+  store = store_lib.Store(tmp_path)
+  opts = syncer_lib.SyncerOptions(quorum=2, max_staleness=1, grace_cap_s=0.)
+  syncer = syncer_lib.Syncer(store, init, opts, init=init)
+  assert store.versions() == [0]
+  deltas = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(
+      np.float32), init) for _ in range(3)]
+  tokens = [100., 300., 50.]
+  for i, (d, t) in enumerate(zip(deltas, tokens)):
+    store.publish_payload(f'l{i}', 0, d, {
+        'base_version': 0, 'tokens': t, 'steps': 4., 'wall': 0.})
+  syncer.poll()
+  assert syncer.ready(time.time())  # 3 learners >= quorum, no grace
+  info = syncer.merge()
+  assert sorted(map(tuple, info['payloads'])) == [('l0', 0), ('l1', 0),
+                                                   ('l2', 0)]
+  # the same numbers by hand: token weights, merge_stacked (embedding
+  # averaged directly), DiLoCo's Nesterov step
+  w = np.asarray(token_weight(np.array(tokens, np.float32),
+                              np.full(3, 4., np.float32)))
+  leaves = [np.stack(x) for x in zip(*[jax.tree.leaves(d) for d in deltas])]
+  merged = merge_stacked(leaves, w, direct=[False, True])
+  tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  upd, _ = tx.update(jax.tree.unflatten(jax.tree.structure(init), merged),
+                     tx.init(init), init)
+  want = optax.apply_updates(init, upd)
+  for got, ref in zip(jax.tree.leaves(syncer.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  # version 1 now; two more merges make a payload on version 0 too old
+  for v in (1, 2):
+    store.publish_payload('l0', v, deltas[0], {
+        'base_version': v, 'tokens': 10., 'steps': 1., 'wall': 0.})
+    syncer.poll()
+    assert syncer.merge() is not None
+  store.publish_payload('l1', 1, deltas[1], {
+      'base_version': 0, 'tokens': 7., 'steps': 1., 'wall': 0.})
+  syncer.poll()
+  assert syncer.merge() is None  # nothing usable: stale, counted
+  c = syncer.counters
+  assert (c['payloads_stale'], c['tokens_discarded']) == (1, 7.)
+  assert c['consumed'] == {'l0': 2, 'l1': 1, 'l2': 0}
+  syncer.poll()
+  assert not syncer.pending  # consumed payloads are not read again
+  store.close()

@@ -295,9 +295,14 @@ class Syncer:
                     np.float32)
     age = float(np.sum(weights * ages) / max(np.sum(weights), 1e-30))
     treedef = jax.tree.structure(self.params_like)
-    stacked = [np.stack(xs) for xs in
-               zip(*[treedef.flatten_up_to(p.delta) for p in use])]
-    merged = self._merge(stacked, jnp.asarray(weights))
+    # padded to a power of two with weight-0 entries (which no merge rule
+    # counts), so that the merge compiles once per size class, not per M
+    pad = (1 << (len(use) - 1).bit_length()) - len(use)
+    stacked = [np.concatenate([np.stack(xs),
+                               np.zeros((pad,) + xs[0].shape, np.float32)])
+               for xs in zip(*[treedef.flatten_up_to(p.delta) for p in use])]
+    merged = self._merge(stacked, jnp.asarray(
+        np.concatenate([weights, np.zeros(pad, np.float32)])))
     merged = treedef.unflatten(merged)
     params = jax.tree.map(jnp.asarray, self.params)
     updates, self.outer_state = self._update(merged, self.outer_state, params,
