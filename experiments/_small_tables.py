@@ -235,8 +235,13 @@ def moe_study_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+# Where in a run (fractions of its steps) the routing table looks.
+_ROUTING_AT = (0.05, 0.15, 0.25, 0.5, 0.75, 1.0)
+
+
 def moe_study_routing(data: dict[str, Any]) -> str:
-  """The MoE runs' routing diagnostics at about five points of the run."""
+  """The MoE runs' routing diagnostics near the fractions
+  :data:`_ROUTING_AT` of the run."""
   res = data['results']
   lines = ['| run | step | imbalance | dropped | router entropy (nats) '
            '| router drift |', '|---|---|---|---|---|---|']
@@ -245,8 +250,9 @@ def moe_study_routing(data: dict[str, Any]) -> str:
     steps = sorted(int(k) for k in curves.get('routing/entropy', {}))
     if not steps:
       continue
-    picked = sorted({steps[round(i * (len(steps) - 1) / 4)]
-                     for i in range(5)})
+    total = res['setup']['num_steps']
+    picked = sorted({min(steps, key=lambda k: abs(k - f * total))
+                     for f in _ROUTING_AT})
     for step in picked:
       get = lambda k: (curves.get(k) or {}).get(str(step),
                                                 (curves.get(k) or {}).get(

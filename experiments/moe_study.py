@@ -16,7 +16,8 @@ workers' router drift before each sync. A fifth run syncs the routers
 three times as often as the rest (``outer.method='group_diloco'``).
 
   python -m experiments.moe_study --workdir=/tmp/moe_study \
-    [--runs=dense_dp,moe_diloco] [--num_steps=600] [--sync_every=30]
+    [--runs=dense_dp,moe_diloco] [--num_steps=600] [--sync_every=30] \
+    [--results_name=moe_study]
 
 Finished runs are read back, so a second call only tabulates.
 """
@@ -38,6 +39,10 @@ _RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_RESULTS_NAME = flags.DEFINE_enum(
+    'results_name', 'moe_study', ['moe_study', 'moe_study_router'],
+    'Name of the results file (docs/moe.md: the four dense / MoE runs, and '
+    'the router-sync run).')
 flags.mark_flag_as_required('workdir')
 
 DENSE = {'model__num_layers': 2, 'model__d_model': 128, 'model__d_ff': 512,
@@ -112,7 +117,7 @@ def main(argv):
                  'routing': _routing_curve(os.path.join(_WORKDIR.value,
                                                         name))})
     results = {'setup': setup, 'rows': rows, 'pending': names[i + 1:]}
-    _runs.write(_WORKDIR.value, 'moe_study',
+    _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 tables.render('moe_study', 'main', {'results': results}),
                 results)
 

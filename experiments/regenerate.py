@@ -116,9 +116,13 @@ BENCHMARKS: dict[str, Benchmark] = {
     'scale_moe': Benchmark('scale_check', ('--table=scale_moe',),
                            'docs/moe.md'),
     # Data-parallel vs DiLoCo on a MoE LM and the dense LM of equal active
-    # parameters, and its routers on their own period (five 600-step runs,
-    # about an hour on 2 shared cores).
-    'moe_study': Benchmark('moe_study', (), 'docs/moe.md'),
+    # parameters (four 600-step runs, about 45 minutes on 2 shared cores);
+    # then the MoE LM with its routers on their own period.
+    'moe_study': Benchmark('moe_study', (
+        '--runs=dense_dp,dense_diloco,moe_dp,moe_diloco',), 'docs/moe.md'),
+    'moe_study_router': Benchmark('moe_study', (
+        '--runs=moe_router_sync', '--results_name=moe_study_router'),
+        'docs/moe.md'),
     # Small models, seconds each: the bytes of DiLoCo's sync under each
     # aggregate and one adversarial worker; hierarchical DiLoCo's compiled
     # bytes per group codec and per phase.

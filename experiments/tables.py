@@ -366,6 +366,8 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('scale_moe', 'main'): _sharding_tables.scale_check_main,
     ('moe_study', 'main'): _small_tables.moe_study_main,
     ('moe_study', 'routing'): _small_tables.moe_study_routing,
+    ('moe_study_router', 'main'): _small_tables.moe_study_main,
+    ('moe_study_router', 'routing'): _small_tables.moe_study_routing,
     ('outer_state_memory', 'main'):
         _sharding_tables.outer_state_memory_main,
     ('sharded_sync_bytes', 'main'):
