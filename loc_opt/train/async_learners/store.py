@@ -38,6 +38,7 @@ array IO, ``etils.epath`` the directory listings) and pass
 from collections.abc import Iterator
 import dataclasses
 import re
+import time
 from typing import Any
 
 import jax
@@ -48,6 +49,7 @@ from etils import epath
 GLOBAL = 'global'
 PAYLOADS = 'payloads'
 LEARNERS = 'learners'
+_RETRIES = 5
 _LEARNER_ID = re.compile(r'^[A-Za-z0-9_.-]+$')
 
 
@@ -122,7 +124,7 @@ class Store:
   """
 
   def __init__(self, root: str | epath.Path, *, keep_versions: int = 8,
-               keep_payloads: int = 16):
+               keep_payloads: int = 32):
     if not str(root):
       raise ValueError('store path is empty')
     self.root = epath.Path(root)
@@ -139,7 +141,16 @@ class Store:
       self._readers[key] = _manager(directory, write=False, keep=None,
                                     items=items)
     mngr = self._readers[key]
-    mngr.reload()
+    for attempt in range(_RETRIES):
+      try:
+        mngr.reload()
+        break
+      except FileNotFoundError:
+        # a step was deleted (its writer's max_to_keep) while Orbax listed
+        # the directory: list it again
+        if attempt == _RETRIES - 1:
+          raise
+        time.sleep(0.05)
     return mngr
 
   def _writer(self, key: str, directory: epath.Path, keep: int | None,

@@ -143,7 +143,8 @@ class _Pending:
 
 def _fresh_counters() -> dict[str, Any]:
   return {'merges': 0, 'payloads_merged': 0, 'payloads_stale': 0,
-          'payloads_unusable': 0, 'tokens_merged': 0., 'tokens_discarded': 0.,
+          'payloads_unusable': 0, 'payloads_lost': 0, 'tokens_merged': 0.,
+          'tokens_discarded': 0.,
           'bytes_received': 0, 'consumed': {}, 'merged_by_learner': {},
           'syncer_starts': 0}
 
@@ -190,7 +191,8 @@ class Syncer:
                                                  outer_like)
     self.params, self.version = params, latest
     self.outer_state = jax.tree.map(jnp.asarray, outer)
-    self.counters = {k: v for k, v in meta.items() if k in _fresh_counters()}
+    fresh = _fresh_counters()
+    self.counters = {**fresh, **{k: v for k, v in meta.items() if k in fresh}}
     self.counters['syncer_starts'] = self.counters.get('syncer_starts', 0) + 1
     self._log('resumed', version=latest)
 
@@ -211,6 +213,10 @@ class Syncer:
     for p in self.pending:
       seen[p.learner] = max(seen.get(p.learner, -1), p.seq)
     for learner, seq in list(self.store.new_payloads(seen)):
+      if seq > seen.get(learner, -1) + 1:
+        # deleted by the learner's max_to_keep before this syncer read them
+        self.counters['payloads_lost'] += seq - seen.get(learner, -1) - 1
+      seen[learner] = seq
       try:
         payload = self.store.read_payload(learner, seq)
         meta = payload.meta
