@@ -345,6 +345,7 @@ RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
     ('claims', 'main'): _claims.claims_main,
     ('claims', 'sweep'): _claims.claims_sweep,
     ('claims_long', 'main'): _claims.claims_main,
+    ('claims_long', 'sweep'): _claims.claims_sweep,
     ('frontier', 'main'): _frontier_tables.frontier_main,
     ('qsr', 'main'): _claims.qsr_main,
     ('outer_sweep', 'main'): outer_sweep_main,
