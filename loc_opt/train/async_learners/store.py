@@ -29,10 +29,12 @@ model for good. Old versions and payloads are deleted by the writer's
 ``max_to_keep``; a reader that loses a race with a deletion gets
 :class:`Gone` and reads the newest again.
 
-For a bucket, install Orbax's and TensorStore's cloud extras as their docs
-say (``gcsfs`` is not needed: TensorStore's ``gcs`` and ``s3`` drivers do the
-array IO, ``etils.epath`` the directory listings) and pass
-``--store=gs://bucket/run``. Tests use local directories only.
+For a bucket, pass ``--store=gs://bucket/run`` (or ``s3://...``): the arrays
+go through TensorStore's ``gcs`` / ``s3`` drivers, the directories and JSON
+files through ``etils.epath``, which uses TensorFlow's ``gfile`` where
+TensorFlow is installed and ``fsspec`` otherwise (then install ``gcsfs`` or
+``s3fs``); credentials are those the libraries find. Tests use local
+directories only: no bucket path has been run here.
 """
 
 from collections.abc import Iterator
