@@ -22,7 +22,7 @@ That Decoupled DiLoCo row is a renewal model (every step of a live learner
 counts: ``M`` elastic jobs on ``N / M`` chips), so it is an upper bound.
 Beside it (``--measure``, the default) goodput is measured on the
 Decoupled DiLoCo driver's own timeline
-(``loc_opt.parallel.goodput.simulate_timeline``:
+(``loc_opt.outer.simulate_timeline``:
 ``loc_opt.outer.decoupled_timeline`` under the chaos model, with the same
 failure rate and the fitted pauses as each learner's downtime): work of
 learners not admitted to a merge, work overwritten between a merge and its
@@ -54,6 +54,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import _runs
+from loc_opt import outer
 from loc_opt.parallel import goodput
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where results go (none: '
@@ -195,7 +196,7 @@ def simulate_table(a, chips, learners, horizon, seed):
 def measure_table(a, chips, learners, seed):
   """``{M: [TimelineGoodput per chip count]}``: goodput measured on the
   Decoupled DiLoCo driver's timeline under the chaos model."""
-  return {m: [goodput.simulate_timeline(
+  return {m: [outer.simulate_timeline(
       n, m, a, num_steps=_TIMELINE_STEPS.value,
       sync_every=_TIMELINE_H.value, num_fragments=_TIMELINE_P.value,
       quorum=min(_TIMELINE_K.value, m), grace=_TIMELINE_GRACE.value,

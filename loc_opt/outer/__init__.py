@@ -50,6 +50,7 @@ from loc_opt.outer.decoupled_clock import decoupled_timeline
 from loc_opt.outer.decoupled_clock import Timeline
 from loc_opt.outer.decoupled_clock import timeline_goodput
 from loc_opt.outer.decoupled_clock import TimelineGoodput
+from loc_opt.outer.decoupled_goodput import simulate_timeline
 from loc_opt.outer.decoupled_diloco import balanced_fragments
 from loc_opt.outer.decoupled_diloco import decoupled_diloco
 from loc_opt.outer.decoupled_diloco import decoupled_eval_params

@@ -30,10 +30,10 @@ learners, from the seed) is played against four policies:
   nothing while paused. With ``M = 1`` this is ``'elastic_dp'``. This is a
   renewal model, elastic data parallel on ``N / M`` chips by construction:
   every step of a live learner counts, so it is an upper bound of what the
-  implementation achieves. :func:`simulate_timeline` measures that instead,
-  on the timeline :func:`loc_opt.outer.decoupled_diloco` trains on (quorum
-  waits, skipped rounds, work overwritten on learners not admitted to a
-  merge, unmerged work lost at a rejoin).
+  implementation achieves. :func:`loc_opt.outer.simulate_timeline` measures
+  that instead, on the timeline :func:`loc_opt.outer.decoupled_diloco`
+  trains on (quorum waits, skipped rounds, work overwritten on learners not
+  admitted to a merge, unmerged work lost at a rejoin).
 
 A failure that arrives while a job (or learner) is already paused is folded
 into that pause, which is not extended (``overlap='fold'``: the restart or
@@ -81,7 +81,6 @@ from typing import NamedTuple
 import numpy as np
 
 from loc_opt import _checks
-from loc_opt.outer import decoupled_clock
 
 YEAR_S = 365.25 * 24 * 3600.0
 DAY_S = 24 * 3600.0
@@ -396,67 +395,3 @@ def simulate(policy: str, num_chips: int, num_learners: int = 1,
   return Result(goodput=useful / allocated, uptime=advancing / horizon_s,
                 useful_chip_s=useful, allocated_chip_s=allocated,
                 failures=int(times.size))
-
-
-def simulate_timeline(num_chips: int, num_learners: int,
-                      assumptions: Assumptions = Assumptions(), *,
-                      num_steps: int = 20_000, sync_every: int = 24,
-                      num_fragments: int = 24, quorum: int = 1,
-                      grace: float = 0.2, overlap: float = 2,
-                      sync_steps: float = 1.0, seed: int = 0
-                      ) -> decoupled_clock.TimelineGoodput:
-  """Decoupled DiLoCo's goodput measured on its own driver's timeline.
-
-  Where :func:`simulate` (``'decoupled'``) counts every step of a live
-  learner as useful (a renewal model: ``M`` learners are elastic data
-  parallel on ``N / M`` chips), this runs
-  :func:`loc_opt.outer.decoupled_timeline`, the schedule that
-  :func:`loc_opt.outer.decoupled_diloco` trains on, under the chaos model
-  and counts only the work that reaches the global model
-  (:func:`loc_opt.outer.timeline_goodput`): steps of learners not admitted
-  to a merge, steps taken between a merge and its fragment's arrival (both
-  overwritten, ``alpha = 0``), and unmerged steps of a learner that
-  rejoins after a failure are lost; quorum waits and skipped rounds delay
-  merges. So :func:`simulate`'s figure is an upper bound of this one.
-
-  The mapping: one tick is one step of ``assumptions.step_s``; a learner of
-  ``N / M`` chips fails at the rate ``(N / M) / mtbi_s``
-  (:func:`loc_opt.outer.chaos_failures`) and is down for ``downscale_s +
-  upscale_s`` (the renewal model's two reconfiguration pauses back to
-  back; the slice's own absence, 64 of ``N / M`` chips, is not modelled).
-  Every learner runs at one speed.
-
-  Args:
-    num_chips: ``N``.
-    num_learners: ``M`` (``N`` a multiple of it).
-    assumptions: ``mtbi_s``, ``step_s``, ``downscale_s`` and ``upscale_s``
-      are used.
-    num_steps: ticks simulated.
-    sync_every, num_fragments, quorum, grace, overlap, sync_steps: the
-      timeline's (defaults: the paper's main setting as described
-      second-hand, ``H = P = 24``, ``tau = 2``, ``K = 1`` and a grace
-      factor of 0.2).
-    seed: seeds the failure clocks.
-
-  Returns:
-    A :class:`loc_opt.outer.TimelineGoodput`.
-  """
-  num_chips = _checks.positive_int(num_chips, 'num_chips')
-  num_learners = _checks.positive_int(num_learners, 'num_learners')
-  if num_chips % num_learners:
-    raise ValueError(f'num_chips ({num_chips}) must be a multiple of '
-                     f'num_learners ({num_learners})')
-  if not isinstance(assumptions, Assumptions):
-    raise TypeError(f'assumptions must be an Assumptions, got '
-                    f'{type(assumptions).__name__}')
-  downtime = (assumptions.downscale_s + assumptions.upscale_s) / \
-      assumptions.step_s
-  failures = decoupled_clock.chaos_failures(
-      num_learners, num_steps, mtbf=assumptions.mtbi_s / assumptions.step_s,
-      downtime=max(downtime, 1e-9), chips=num_chips // num_learners,
-      seed=seed)
-  timeline = decoupled_clock.decoupled_timeline(
-      num_steps, num_learners=num_learners, sync_every=sync_every,
-      num_fragments=num_fragments, overlap=overlap, quorum=quorum,
-      grace=grace, sync_steps=sync_steps, failures=failures, seed=seed)
-  return decoupled_clock.timeline_goodput(timeline)

@@ -189,7 +189,7 @@ def test_timeline_goodput_without_failures_loses_the_overlap_step():
 def test_measured_goodput_is_below_the_renewal_upper_bound(num_learners):
   a = goodput.Assumptions(downscale_s=10., upscale_s=10.)
   bound = goodput.simulate('decoupled', 1_200_000, num_learners, a).goodput
-  got = goodput.simulate_timeline(1_200_000, num_learners, a,
+  got = outer.simulate_timeline(1_200_000, num_learners, a,
                                   num_steps=4000, sync_every=8,
                                   num_fragments=8)
   # merges overwrite some work and rejoins lose some: the renewal model,
