@@ -217,20 +217,14 @@ class Comm:
     # averages every leaf through it.
     in_place = (type(self).pmean is Comm.pmean) and self._split_inside()
     size = self.bucket()
-    buckets, current, filled = [], [], 0
+    rest = []
     for i, x in enumerate(leaves):
-      n = math.prod(jnp.shape(x))
-      if in_place and n >= size:
+      if in_place and math.prod(jnp.shape(x)) >= size:
         out[i] = self._reduce_in_place(x)
-        continue
-      if current and filled + n > size:
-        buckets.append(current)
-        current, filled = [], 0
-      current.append(i)
-      filled += n
-    if current:
-      buckets.append(current)
-    for bucket in buckets:
+      else:
+        rest.append(i)
+    for bucket in self.buckets([leaves[i] for i in rest]):
+      bucket = [rest[j] for j in bucket]
       parts = [leaves[i] for i in bucket]
       flat = (parts[0].reshape(-1) if len(parts) == 1 else
               jnp.concatenate([jnp.ravel(x) for x in parts]))
@@ -239,6 +233,33 @@ class Comm:
         out[i] = mean[start:start + x.size].reshape(x.shape)
         start += x.size
     return treedef.unflatten(out)
+
+  def buckets(self, leaves: Sequence[Any]) -> list[list[int]]:
+    """``leaves``' indices packed in order into buckets of at most
+    :meth:`bucket` elements (a larger leaf alone)."""
+    size = self.bucket()
+    buckets, current, filled = [], [], 0
+    for i, x in enumerate(leaves):
+      n = math.prod(jnp.shape(x))
+      if current and filled + n > size:
+        buckets.append(current)
+        current, filled = [], 0
+      current.append(i)
+      filled += n
+    if current:
+      buckets.append(current)
+    return buckets
+
+  def spread_rows(self, x: jax.Array) -> jax.Array:
+    """``x`` split by its leading axis over the worker's devices, where
+    they split the parameters (:meth:`_split_inside`) and the rows divide
+    evenly: flattened, it is then already spread as :meth:`spread` lays a
+    buffer out, without a copy of the whole leaf on a device (a leaf split
+    along another axis moves once inside the worker). Else ``x``."""
+    if (not self._split_inside() or not jnp.ndim(x)
+        or jnp.shape(x)[0] % self.inner_devices()):
+      return x
+    return jax.lax.with_sharding_constraint(x, jax.P(self.inner_axes()))
 
   def _reduce_in_place(self, x: jax.Array) -> jax.Array:
     """The mean of ``x`` over workers in its own shape and sharding."""

@@ -229,6 +229,26 @@ def _per_tensor_mean(codec: codecs_lib.Codec, leaves: list[jax.Array],
   return means, sent
 
 
+def _bucketed(mean: Callable[..., Any], groups: list[list[int]],
+              leaves: list[Any], treedef: Any, state: Any,
+              comm: comm_lib.Comm, key: jax.Array
+              ) -> tuple[Any, Any, Any]:
+  """``mean`` (a stateless :func:`from_codec` mean) bucket by bucket:
+  bucket ``b`` of ``groups`` with key ``fold_in(key, b)`` (``key`` for the
+  first); a bucket of one leaf is first split by rows over the worker's
+  devices (:meth:`~loc_opt.compression.Comm.spread_rows`)."""
+  means, sent = [None] * len(leaves), [None] * len(leaves)
+  for b, group in enumerate(groups):
+    parts = [leaves[i] for i in group]
+    if len(parts) == 1:
+      parts = [comm.spread_rows(parts[0])]
+    m, t, _ = mean(parts, state, comm,
+                   key if b == 0 else jax.random.fold_in(key, b))
+    for i, mi, ti in zip(group, m, t):
+      means[i], sent[i] = mi, ti
+  return treedef.unflatten(means), treedef.unflatten(sent), state
+
+
 def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
                workers: int | None = None) -> Compressor:
   """The mean over workers of a tree sent through ``codec``.
@@ -245,7 +265,14 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
   gradient buckets do),
   padded to whole blocks on each of the worker's devices, spread over those
   devices and encoded there, so padding costs at most a few blocks for the
-  whole tree. Linear codecs (random-k with a shared mask)
+  whole tree. A tree of more than ``comm.bucket_size`` elements is cut, in
+  leaf order, into buckets of at most that many (a larger leaf alone,
+  first split by its leading axis over the worker's devices where FSDP or
+  tensor parallelism splits them: ``Comm.spread_rows``), each sent as such
+  a buffer with the key folded with its index (the first bucket's is
+  ``key``): a bounded buffer instead of the whole tree, and a smaller tree
+  as before, bit for bit (except ``reduce='two_phase'`` and per-tensor
+  codecs, which keep one buffer). Linear codecs (random-k with a shared mask)
   average the payloads with an all-reduce and decode once. The others:
 
   * ``reduce='gather'``: all-gather the packed payloads; every worker decodes
@@ -293,6 +320,10 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
       own = [jnp.asarray(x, jnp.float32) for x in leaves]
       return (treedef.unflatten(comm.pmean_buckets(own)),
               treedef.unflatten(own), state)
+    if not two_phase and not codec.per_tensor:
+      groups = comm.buckets(leaves)
+      if len(groups) > 1:  # bounded buffers (see above)
+        return _bucketed(mean, groups, leaves, treedef, state, comm, key)
     sizes = [int(jnp.size(x)) for x in leaves]
     flat = jnp.concatenate(
         [jnp.ravel(x).astype(jnp.float32) for x in leaves])
