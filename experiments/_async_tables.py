@@ -3,6 +3,8 @@ learners and syncer as separate processes, in wall-clock time."""
 
 from typing import Any
 
+from experiments import _registry
+
 LABELS = {'no_failures': 'no failures',
           'chaos': 'kill -9 schedule',
           'chaos_staleness': 'kill -9 schedule + staleness options'}
@@ -28,3 +30,8 @@ def async_chaos_main(data: dict[str, Any]) -> str:
         f'{int(r["tokens_stale"]):,} | {r["tokens_unmerged"]:,} | '
         f'{r["eval_loss"]:.4f} |')
   return '\n'.join(lines) + '\n'
+
+
+_registry.tables({
+    ('async_chaos', 'main'): async_chaos_main,
+})

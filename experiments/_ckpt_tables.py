@@ -7,6 +7,8 @@ file; ``experiments.tables`` renders it with this.
 
 from typing import Any
 
+from experiments import _registry
+
 # Parts of the saved state smaller than this (raw bytes) share one row per
 # tree (counters, step, input position, RNG, fault counters).
 SMALL = 1024
@@ -105,3 +107,8 @@ def checkpoint_size_main(data: dict[str, Any]) -> str:
       f'({s["num_params"]:,} parameters x 4 B x 2 x {c["extra_copies"]}), '
       'before compression.']
   return '\n'.join(lines) + '\n'
+
+
+_registry.tables({
+    ('checkpoint_size', 'main'): checkpoint_size_main,
+})

@@ -5,7 +5,7 @@ constant sync period (:mod:`experiments.qsr`) define absl flags, so this
 module holds what the tests and :mod:`experiments.tables` import: the
 sizes and methods, run names, rows imported from another machine, QSR's
 sync-count match, and the table renderers (registered in
-:data:`experiments.tables.RENDERERS`).
+:data:`experiments._registry.RENDERERS`).
 """
 
 import json
@@ -13,6 +13,7 @@ import os
 import re
 from typing import Any
 
+from experiments import _registry
 from experiments import _runs
 
 # label -> model fields
@@ -108,14 +109,8 @@ def qsr_alpha_for(base, syncs: int) -> float:
   return hi
 
 
-def format_time(seconds: float) -> str:
-  from experiments import tables  # pylint: disable=g-import-not-at-top
-  return tables.format_time(seconds)
-
-
-def format_bytes(n: float) -> str:
-  from experiments import tables  # pylint: disable=g-import-not-at-top
-  return tables.format_bytes(n)
+format_time = _registry.format_time
+format_bytes = _registry.format_bytes
 
 
 def setting(row) -> tuple[float, float | None]:
@@ -423,3 +418,14 @@ def qsr_main(data: dict[str, Any]) -> str:
   if res.get('pending'):
     lines += ['', f'Not run yet: {_pending_summary(res["pending"])}.']
   return '\n'.join(lines) + '\n'
+
+
+_registry.tables({
+    ('claims', 'main'): claims_main,
+    ('claims', 'sweep'): claims_sweep,
+    ('claims_long', 'main'): claims_main,
+    ('claims_long', 'sweep'): claims_sweep,
+    ('qsr', 'main'): qsr_main,
+})
+_registry.figure('claims', claims_figure, 'figures/claims.png')
+_registry.figure('claims_long', claims_figure, 'figures/claims_long.png')

@@ -11,6 +11,8 @@ these, and the two programs print their tables with them.
 import pathlib
 from typing import Any
 
+from experiments import _registry
+
 # The fp32 references of the compressed runs, by family: the per-worker
 # fp32 mean the compressed data-parallel runs build on, and fp32 DiLoCo.
 FP32_REFERENCES = ('dp_none', 'diloco')
@@ -117,3 +119,11 @@ def muloco_main(data: dict[str, Any]) -> str:
                  f'{r["bytes_per_worker_per_sync"]:,.0f} | '
                  f'{r["bits_per_param_per_sync"]:.2f} |')
   return '\n'.join(lines) + '\n'
+
+
+_registry.tables({
+    ('compression_tradeoff', 'main'): compression_tradeoff_main,
+    ('muloco', 'main'): muloco_main,
+})
+_registry.figure('compression_tradeoff', compression_figure,
+                 'figures/compression_loss_vs_bytes.png')

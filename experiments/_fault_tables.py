@@ -16,6 +16,8 @@ import math
 import pathlib
 from typing import Any
 
+from experiments import _registry
+
 
 def labels(data: dict[str, Any]) -> dict[str, str]:
   """Run name (its directory's name) -> the label it was trained under."""
@@ -145,3 +147,11 @@ def decoupled_figure(data: dict[str, Any], path: str | pathlib.Path,
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+_registry.tables({
+    ('dropout', 'main'): dropout_main,
+    ('hierarchical', 'main'): hierarchical_main,
+    ('decoupled', 'main'): decoupled_main,
+})
+_registry.figure('decoupled', decoupled_figure, 'figures/decoupled.png')

@@ -1,15 +1,15 @@
 """The bytes-at-quality frontier's results, table, sentence and figure
-(:mod:`experiments.frontier`; registered in :mod:`experiments.tables`)."""
+(:mod:`experiments.frontier`; registered in :mod:`experiments._registry`)."""
 
 from typing import Any
+
+from experiments import _registry
 
 # The loss margins over data-parallel's of the headline sentence.
 MARGINS = (0.02, 0.05)
 
 
-def _fmt_bytes(n: float) -> str:
-  from experiments import tables  # pylint: disable=g-import-not-at-top
-  return tables.format_bytes(n)
+_fmt_bytes = _registry.format_bytes
 
 
 def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,3 +151,9 @@ def frontier_figure(data: dict[str, Any], path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+_registry.tables({
+    ('frontier', 'main'): frontier_main,
+})
+_registry.figure('frontier', frontier_figure, 'figures/frontier.png')

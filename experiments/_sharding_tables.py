@@ -13,6 +13,8 @@ results files;
 
 from typing import Any
 
+from experiments import _registry
+
 
 def _mib(n: float) -> str:
   return f'{n / 2**20:,.0f}'
@@ -199,3 +201,16 @@ def _profile_lines(rows, workers: int, buffers: str) -> list[str]:
         f"{row['call_busy_s'] * 1e3:.2f}{loose} | "
         f"{'-' if gbps is None else f'{gbps:,.0f}'} |")
   return lines
+
+
+_registry.tables({
+    ('scale_check', 'main'): scale_check_main,
+    ('scale_1b', 'main'): scale_check_main,
+    ('scale_8b', 'main'): scale_check_main,
+    ('scale_sync', 'main'): scale_sync_main,
+    ('scale_moe', 'main'): scale_check_main,
+    ('outer_state_memory', 'main'): outer_state_memory_main,
+    ('sharded_sync_bytes', 'main'): sharded_sync_bytes_main,
+    ('overlap_gpu', 'main'): overlap_gpu_main,
+    ('overlap_gpu_h100', 'main'): overlap_gpu_main,
+})

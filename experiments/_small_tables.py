@@ -12,6 +12,8 @@ renders them with these.
 import math
 from typing import Any
 
+from experiments import _registry
+
 _DTYPES = {'s8': 'int8', 'u8': 'uint8', 'f32': 'fp32', 'bf16': 'bf16'}
 
 
@@ -264,3 +266,15 @@ def moe_study_routing(data: dict[str, Any]) -> str:
           f'| {get("routing/entropy"):.3f} '
           f'| {"-" if drift is None else f"{drift:.4f}"} |')
   return '\n'.join(lines) + '\n'
+
+
+_registry.tables({
+    ('moe_study', 'main'): moe_study_main,
+    ('moe_study', 'routing'): moe_study_routing,
+    ('moe_study_router', 'main'): moe_study_main,
+    ('moe_study_router', 'routing'): moe_study_routing,
+    ('robust_aggregation', 'bytes'): robust_bytes,
+    ('robust_aggregation', 'adversary'): robust_adversary,
+    ('hierarchical_bytes', 'codec'): hierarchical_codec,
+    ('hierarchical_bytes', 'phases'): hierarchical_phases,
+})

@@ -17,6 +17,8 @@ import json
 import re
 from typing import Any
 
+from experiments import _registry
+
 # The spikes benchmark's default recovery band (its --tolerance), read back
 # from the results file's command line when that names none.
 SPIKE_TOLERANCE = 0.02
@@ -220,7 +222,6 @@ def _train_time(data: dict[str, Any], name: str, r: dict[str, Any]) -> str:
 def inner_under_diloco_main(data: dict[str, Any]) -> str:
   """Final eval loss, cross-worker bytes, syncs and train time per inner
   optimizer under DiLoCo (the best in bold) and of the reference run."""
-  from experiments import tables  # pylint: disable=g-import-not-at-top
   runs = data['results']
   inner = [n for n, r in runs.items() if 'settings' in r]
   c = _config(data, f'diloco + {inner[0]}')
@@ -239,7 +240,7 @@ def inner_under_diloco_main(data: dict[str, Any]) -> str:
   for name, r in runs.items():
     lines.append(
         f'| {_inner_label(name, r)} | {loss[name]} | '
-        f'{tables.format_bytes(r["cross_worker_bytes"])} | {r["syncs"]} | '
+        f'{_registry.format_bytes(r["cross_worker_bytes"])} | {r["syncs"]} | '
         f'{_train_time(data, name, r)} |')
   return '\n'.join(lines) + '\n'
 
@@ -441,3 +442,17 @@ def benchmark_step_time_all(data: dict[str, Any]) -> str:
   if 'throughput' in data['results']:
     parts += [step_time_throughput(data), step_time_levers(data)]
   return '\n'.join(parts)
+
+
+_registry.tables({
+    ('benchmark_step_time', 'main'): step_time_main,
+    ('benchmark_step_time', 'throughput'): step_time_throughput,
+    ('benchmark_step_time', 'levers'): step_time_levers,
+    ('step_ab_853k', 'main'): step_ab_main,
+    ('step_ab_1480k', 'main'): step_ab_main,
+    ('profile_step', 'main'): profile_step_main,
+    ('spikes', 'main'): spikes_main,
+    ('schedules', 'main'): schedules_main,
+    ('schedules', 'budgets'): schedules_budgets,
+    ('inner_under_diloco', 'main'): inner_under_diloco_main,
+})

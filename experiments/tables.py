@@ -30,15 +30,18 @@ import sys
 import textwrap
 from typing import Any, Callable
 
-from experiments import _async_tables
-from experiments import _ckpt_tables
-from experiments import _claims
-from experiments import _compress_tables
-from experiments import _fault_tables
-from experiments import _frontier_tables
-from experiments import _sharding_tables
-from experiments import _small_tables
-from experiments import _train_tables
+# The renderer modules register their tables and figures in _registry when
+# imported; this module reads them there.
+from experiments import _async_tables  # pylint: disable=unused-import
+from experiments import _ckpt_tables  # pylint: disable=unused-import
+from experiments import _claims  # pylint: disable=unused-import
+from experiments import _compress_tables  # pylint: disable=unused-import
+from experiments import _fault_tables  # pylint: disable=unused-import
+from experiments import _frontier_tables  # pylint: disable=unused-import
+from experiments import _registry
+from experiments import _sharding_tables  # pylint: disable=unused-import
+from experiments import _small_tables  # pylint: disable=unused-import
+from experiments import _train_tables  # pylint: disable=unused-import
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / 'docs'
@@ -50,22 +53,8 @@ MARKER = re.compile(
     r'(?P<body>.*?)^(?P<close><!-- /results -->)$', re.S | re.M)
 
 
-def format_bytes(n: float) -> str:
-  """``1536 -> '1.5 KiB'`` (as ``loc_opt.train.metrics.format_bytes``)."""
-  for unit in ('B', 'KiB', 'MiB', 'GiB'):
-    if abs(n) < 1024:
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-  return f'{n:.1f} TiB'
-
-
-def format_time(seconds: float) -> str:
-  """Seconds as ``'12.3 s'``, ``'4.5 min'`` or ``'1.23 h'``."""
-  if seconds >= 3600:
-    return f'{seconds / 3600:.2f} h'
-  if seconds >= 60:
-    return f'{seconds / 60:.1f} min'
-  return f'{seconds:.1f} s'
+format_bytes = _registry.format_bytes
+format_time = _registry.format_time
 
 
 def _machine(p: dict[str, Any]) -> str:
@@ -340,69 +329,20 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
-# (results name, table name) -> renderer of the markdown table.
-RENDERERS: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
-    ('claims', 'main'): _claims.claims_main,
-    ('claims', 'sweep'): _claims.claims_sweep,
-    ('claims_long', 'main'): _claims.claims_main,
-    ('claims_long', 'sweep'): _claims.claims_sweep,
-    ('frontier', 'main'): _frontier_tables.frontier_main,
-    ('qsr', 'main'): _claims.qsr_main,
+# The tables and figures rendered by this module; the others register
+# theirs in their own modules (imported above).
+_registry.tables({
     ('outer_sweep', 'main'): outer_sweep_main,
     ('outer_sweep_own', 'main'): outer_sweep_main,
-    ('benchmark_step_time', 'main'): _train_tables.step_time_main,
-    ('benchmark_step_time', 'throughput'): _train_tables.step_time_throughput,
-    ('benchmark_step_time', 'levers'): _train_tables.step_time_levers,
-    ('step_ab_853k', 'main'): _train_tables.step_ab_main,
-    ('step_ab_1480k', 'main'): _train_tables.step_ab_main,
-    ('profile_step', 'main'): _train_tables.profile_step_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
     ('goodput', 'main'): goodput_main,
-    ('scale_check', 'main'): _sharding_tables.scale_check_main,
-    ('scale_1b', 'main'): _sharding_tables.scale_check_main,
-    ('scale_8b', 'main'): _sharding_tables.scale_check_main,
-    ('scale_sync', 'main'): _sharding_tables.scale_sync_main,
-    ('scale_moe', 'main'): _sharding_tables.scale_check_main,
-    ('moe_study', 'main'): _small_tables.moe_study_main,
-    ('moe_study', 'routing'): _small_tables.moe_study_routing,
-    ('moe_study_router', 'main'): _small_tables.moe_study_main,
-    ('moe_study_router', 'routing'): _small_tables.moe_study_routing,
-    ('outer_state_memory', 'main'):
-        _sharding_tables.outer_state_memory_main,
-    ('sharded_sync_bytes', 'main'):
-        _sharding_tables.sharded_sync_bytes_main,
-    ('overlap_gpu', 'main'): _sharding_tables.overlap_gpu_main,
-    ('overlap_gpu_h100', 'main'): _sharding_tables.overlap_gpu_main,
-    ('robust_aggregation', 'bytes'): _small_tables.robust_bytes,
-    ('robust_aggregation', 'adversary'): _small_tables.robust_adversary,
-    ('hierarchical_bytes', 'codec'): _small_tables.hierarchical_codec,
-    ('hierarchical_bytes', 'phases'): _small_tables.hierarchical_phases,
-    ('checkpoint_size', 'main'): _ckpt_tables.checkpoint_size_main,
-    ('dropout', 'main'): _fault_tables.dropout_main,
-    ('async_chaos', 'main'): _async_tables.async_chaos_main,
-    ('hierarchical', 'main'): _fault_tables.hierarchical_main,
-    ('decoupled', 'main'): _fault_tables.decoupled_main,
-    ('compression_tradeoff', 'main'):
-        _compress_tables.compression_tradeoff_main,
-    ('muloco', 'main'): _compress_tables.muloco_main,
-    ('spikes', 'main'): _train_tables.spikes_main,
-    ('schedules', 'main'): _train_tables.schedules_main,
-    ('schedules', 'budgets'): _train_tables.schedules_budgets,
-    ('inner_under_diloco', 'main'): _train_tables.inner_under_diloco_main,
-}
-
-# results name -> (figure renderer, path under docs/).
-FIGURES: dict[str, tuple[Callable[..., None], str]] = {
-    'diloco_family': (diloco_family_figure, 'figures/diloco_family.png'),
-    'claims': (_claims.claims_figure, 'figures/claims.png'),
-    'claims_long': (_claims.claims_figure, 'figures/claims_long.png'),
-    'frontier': (_frontier_tables.frontier_figure, 'figures/frontier.png'),
-    'compression_tradeoff': (_compress_tables.compression_figure,
-                             'figures/compression_loss_vs_bytes.png'),
-    'decoupled': (_fault_tables.decoupled_figure, 'figures/decoupled.png'),
-}
+})
+_registry.figure('diloco_family', diloco_family_figure,
+                 'figures/diloco_family.png')
+RENDERERS = _registry.RENDERERS
+FIGURES = _registry.FIGURES
 # Figures drawn from what has finished while runs are still pending (the
 # table under them lists what is left).
 DRAW_WHILE_PENDING = frozenset({'claims', 'claims_long', 'frontier'})
