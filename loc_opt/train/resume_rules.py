@@ -102,6 +102,12 @@ _ADDED_WITH_OLD_BEHAVIOUR = {
     'outer.aggregate': 'mean',  # the plain mean; trim and clip unused
     'outer.aggregate_trim': 1, 'outer.aggregate_clip': 1.0,
     'outer.state_layout': 'replicated', 'mesh.simulate_workers': False,
+    # The Mixture-of-Experts fields: a run saved before them was dense (its
+    # rule for the logical axis 'expert' is never read by a dense model).
+    'model.moe.num_experts': 0, 'model.moe.top_k': 1,
+    'model.moe.capacity_factor': 1.25, 'model.moe.balance_loss': 0.01,
+    'model.moe.z_loss': 0.001, 'model.moe.shared_expert': False,
+    'model.moe.dispatch': 'all_to_all', 'model.axis_rules.expert': ['fsdp'],
 }
 
 # The faults fields only a method with a timeline (Method.step_inputs)

@@ -3,6 +3,8 @@
 and the routing diagnostics in the metrics."""
 
 import collections
+import copy
+import json
 import os
 
 import jax
@@ -11,6 +13,7 @@ import pytest
 
 from loc_opt import parallel
 from loc_opt import train
+from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import experiment
 from loc_opt.train import metrics as metrics_lib
 from loc_opt.train import programs
@@ -123,6 +126,19 @@ def test_router_syncs_on_its_own_period(data_dir, tmp_path):
       "('group', 'main')": workers * 4 * summary['num_params']}
   record = metrics_lib.read_metrics(tmp_path)[-1]
   assert record['routing/router_drift'] > 0  # before the last sync
+
+
+def test_a_run_saved_before_the_moe_fields_resumes(data_dir):
+  """A dense run saved before ``model.moe`` (and the ``expert`` axis rule)
+  existed resumes with their defaults, not with an MoE."""
+  current = json.loads(json.dumps(
+      _helpers.tiny_config(data_dir, model='transformer').to_dict()))
+  saved = copy.deepcopy(current)
+  del saved['model']['moe'], saved['model']['axis_rules']['expert']
+  assert ckpt_lib.resume_diffs(saved, current) == []
+  current['model']['moe']['num_experts'] = 4
+  assert ckpt_lib.resume_diffs(saved, current) == [
+      'model.moe.num_experts: None -> 4']
 
 
 # Every other method on the MoE LM (4 workers x fsdp 2: experts split over
