@@ -1,14 +1,14 @@
 """Asynchronous learners and a syncer as separate processes, exchanging
 through an Orbax store in a temporary directory.
 
-One scenario (a module fixture; about 5 process starts of a tiny :mlp model)
+One scenario (a module fixture; 6 process starts of a tiny :mlp model)
 is run once: a syncer (quorum 2) and learners ``a`` and ``b`` start; ``b`` is
 killed with SIGKILL and the merges go on with ``a`` alone; ``b`` restarts
 and rejoins from the newest merged model; the syncer is killed with SIGKILL
 while the learners keep publishing, restarts, resumes from its checkpoint
 (the newest global version) and merges what they published meanwhile. The
 tests below each check one part of it from the processes' JSON-lines logs
-and from the store.
+and from the store. Last, a learner ``c`` is added mid-run and joins.
 """
 
 import json
@@ -55,11 +55,11 @@ class _Procs:
 
   def syncer(self) -> None:
     self.start('syncer', 'syncer', '--quorum=2', '--liveness_s=4',
-               '--max_staleness=3', '--grace_cap_s=0.2', '--poll_s=0.1')
+               '--max_staleness=3', '--grace_cap_s=0.2', '--poll_s=0.2')
 
   def learner(self, name: str, index: int) -> None:
     self.start(name, 'learner', f'--learner={name}', f'--index={index}',
-               '--num_learners=2', '--slowdown_s=0.05',
+               '--num_learners=2', '--slowdown_s=0.1',
                *(['--codec=int8'] if name == 'b' else []))
 
   def kill(self, name: str) -> None:
@@ -134,6 +134,11 @@ def scenario(tmp_path_factory):
     p.syncer()
     p.wait('2 merges of the restarted syncer',
            lambda: len(p.merges(run=1)) >= 2)
+    # a learner added mid-run joins the same way
+    marks['c_added_version'] = p.merges()[-1]['version']
+    p.learner('c', 1)
+    p.wait('a merge of the added learner c', lambda: any(
+        l == 'c' for m in p.merges() for l, _ in m['payloads']))
   finally:
     p.kill_all()
   return p, marks
@@ -173,6 +178,13 @@ def test_the_restarted_syncer_resumes_from_its_checkpoint(scenario):
   # dropped as stale, which the counters show)
   down = {(n, s) for n, seqs in marks['down_payloads'].items() for s in seqs}
   assert down & merged, (down, merged)
+
+
+def test_a_learner_added_mid_run_joins_from_the_newest_model(scenario):
+  p, marks = scenario
+  start = [e for e in p.events('c') if e['event'] == 'start'][0]
+  assert not start['rejoined'] and start['seq'] == 0 and start['step'] == 0
+  assert start['version'] >= marks['c_added_version']
 
 
 def test_no_payload_is_merged_twice(scenario):
