@@ -25,6 +25,7 @@ References:
 """
 
 from collections.abc import Callable
+import functools
 import re
 from typing import Any, NamedTuple
 
@@ -102,6 +103,46 @@ def _check_phase(sync: Any) -> tuple[str, ...] | None:
   return sync
 
 
+def _mean_fn(reduce_fn, axis_name):
+  """The mean over workers: ``reduce_fn``, else ``lax.pmean`` over
+  ``axis_name``, else (one worker) the identity."""
+  if reduce_fn is not None:
+    return reduce_fn
+  if axis_name is None:
+    return _local.identity
+
+  def mean_fn(tree):
+    axis = _checks.axis_bound(axis_name, 'loc_opt.outer.group_diloco')
+    return jax.lax.pmean(tree, axis)
+
+  return mean_fn
+
+
+def _part_step(sync, due, count, period, varying, anchor, outer_state,
+               params, inner_updates):
+  """One part's step: ``(synced, (anchor, outer_state, updates))``.
+
+  ``due``: a Python bool (static phase) or None (decided on device from
+  ``count`` and ``period``). On a sync ``sync(anchor, outer_state, local)``
+  gives the part's new anchor and outer state and the update lands on the
+  anchor; otherwise the part keeps them and its inner update.
+  """
+  local = optax.apply_updates(params, inner_updates)
+  old = (anchor, outer_state, inner_updates)
+
+  def on_sync():
+    new_anchor, new_outer = sync(anchor, outer_state, local)
+    return varying((new_anchor, new_outer,
+                    _local.updates_to(new_anchor, params)))
+
+  if due is None:
+    due = (count + 1) % period == 0
+    return due, jax.lax.cond(due, on_sync, lambda: varying(old))
+  if due:
+    return jnp.ones([], bool), on_sync()
+  return jnp.zeros([], bool), old
+
+
 def group_diloco(
     inner: optax.GradientTransformation,
     *,
@@ -152,14 +193,7 @@ def group_diloco(
   periods = {MAIN: sync_every, GROUP: group_sync_every}
   comm = compression.Comm(axis_name) if axis_name is not None else None
   varying = _local.varying_fn(comm)
-  if reduce_fn is not None:
-    mean_fn = reduce_fn
-  elif axis_name is not None:
-    def mean_fn(tree):
-      axis = _checks.axis_bound(axis_name, 'loc_opt.outer.group_diloco')
-      return jax.lax.pmean(tree, axis)
-  else:
-    mean_fn = _local.identity
+  mean_fn = _mean_fn(reduce_fn, axis_name)
 
   def parts(params):
     mask = group_mask(params, pattern)
@@ -195,25 +229,12 @@ def group_diloco(
     outer_states, synced = [], []
     for k, (name, index) in enumerate(sorted(parts(params).items(),
                                              key=lambda kv: kv[0] != MAIN)):
-      anchor = [a_leaves[i] for i in index]
-      params_part = [p_leaves[i] for i in index]
-      local = optax.apply_updates(params_part, [u_leaves[i] for i in index])
-      old = (anchor, state.outer_state[k], [u_leaves[i] for i in index])
-
-      def on_sync(name=name, anchor=anchor, local=local, k=k,
-                  params_part=params_part):
-        new_anchor, new_outer = sync_part(name, anchor,
-                                          state.outer_state[k], local)
-        return varying((new_anchor, new_outer,
-                        _local.updates_to(new_anchor, params_part)))
-
-      if due_names is None:
-        due = (state.count + 1) % periods[name] == 0
-        out = jax.lax.cond(due, on_sync, lambda old=old: varying(old))
-      elif name in due_names and index:
-        due, out = jnp.ones([], bool), on_sync()
-      else:
-        due, out = jnp.zeros([], bool), old
+      pick = lambda leaves, index=index: [leaves[i] for i in index]
+      due = None if due_names is None else bool(index) and name in due_names
+      due, out = _part_step(
+          functools.partial(sync_part, name), due, state.count,
+          periods[name], varying, pick(a_leaves), state.outer_state[k],
+          pick(p_leaves), pick(u_leaves))
       for j, i in enumerate(index):
         a_leaves[i], new_updates[i] = out[0][j], out[2][j]
       outer_states.append(out[1])

@@ -22,6 +22,7 @@ from loc_opt import outer as outer_lib
 from loc_opt import parallel
 from loc_opt.outer.group_diloco import group_diloco
 from loc_opt.train import config as cfg_lib
+from loc_opt.train.method import Method
 
 SECTION = 'group_diloco'
 
@@ -89,3 +90,10 @@ def build(config: ml_collections.ConfigDict,
 def eval_params(opt_state, params):
   """The anchor (each part as of its last sync)."""
   return outer_lib.group_diloco_eval_params(opt_state, params)
+
+
+# The registry's entry (loc_opt.train.registry.METHODS['group_diloco']).
+METHOD = Method(
+    per_worker=True, build=build, plan=plan, eval_params=eval_params,
+    section=SECTION, library_kwargs=library_kwargs,
+    shared_fields=('anchor', 'outer_state', 'count', 'num_syncs'))

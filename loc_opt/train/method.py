@@ -13,6 +13,7 @@ a schedule-free optimizer, the parameters for any other), see
 
 from collections.abc import Callable, Mapping
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -117,6 +118,11 @@ class Method:
     if set(self.state_layouts) - {'replicated'} and not self.outer_fields:
       raise ValueError(f'state_layouts {self.state_layouts} need the '
                        'outer_fields they place')
+
+
+def library_default(fn: Callable[..., Any], arg: str) -> Any:
+  """The default of ``fn``'s keyword argument ``arg``."""
+  return inspect.signature(fn).parameters[arg].default
 
 
 def state_fields(method: Method, opt_state: Any) -> tuple[str, ...]:

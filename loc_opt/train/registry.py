@@ -15,7 +15,6 @@ in the config file (``tests/train/test_registry.py``): one source each.
 
 from collections.abc import Callable, Mapping
 import functools
-import inspect
 import json
 from typing import Any
 
@@ -35,6 +34,7 @@ from loc_opt.train import group_sync
 from loc_opt.train import hierarchy
 from loc_opt.train import outer_layout
 from loc_opt.train import simulated_time
+from loc_opt.train.method import library_default
 from loc_opt.train.method import Method
 
 _section = cfg_lib.section
@@ -55,11 +55,6 @@ def _required(config, name: str, field: str) -> Any:
   if field not in s:
     raise ValueError(f'outer.{name}.{field} is missing from the config')
   return s[field]
-
-
-def library_default(fn: Callable[..., Any], arg: str) -> Any:
-  """The default of ``fn``'s keyword argument ``arg``."""
-  return inspect.signature(fn).parameters[arg].default
 
 
 def _kwargs(method: str, fn: Callable[..., Any], config) -> dict[str, Any]:
@@ -549,12 +544,7 @@ METHODS: Mapping[str, Method] = {
         # the group anchor and outer state are each group's own
         shared_fields=('anchor', 'outer_state', 'num_global_syncs')
         + _COUNTERS),
-    # A parameter group (a MoE LM's routers) on a period of its own.
-    'group_diloco': Method(
-        per_worker=True, build=group_sync.build, plan=group_sync.plan,
-        eval_params=group_sync.eval_params, section=group_sync.SECTION,
-        library_kwargs=group_sync.library_kwargs,
-        shared_fields=('anchor', 'outer_state', 'count', 'num_syncs')),
+    'group_diloco': group_sync.METHOD,  # a MoE LM's routers on their own H
     'async_local_sgd': Method(
         per_worker=True, build=_build_async, plan=_async_plan,
         eval_params=outer_lib.async_eval_params, waits_for_stragglers=False,
