@@ -249,6 +249,48 @@ def _bucketed(mean: Callable[..., Any], groups: list[list[int]],
   return treedef.unflatten(means), treedef.unflatten(sent), state
 
 
+def _decode_all(codec: codecs_lib.Codec, payloads: Any, n: int,
+                key: jax.Array) -> jax.Array:
+  return jax.vmap(lambda p: codec.decode(p, n, key))(payloads)
+
+
+def _flat_mean(codec: codecs_lib.Codec, flat: jax.Array, comm: Any,
+               key: jax.Array, enc_key: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+  """``(mean over workers, own decoded values)`` of one flat buffer sent
+  as one payload (``reduce='gather'``, or a linear codec's all-reduce)."""
+  flat = (comm.pad if codec.linear else comm.spread)(flat, codec.block_size)
+  n = flat.size
+  payload = codec.encode(flat, enc_key)
+  own = codec.decode(payload, n, key)
+  if codec.linear:
+    return codec.decode(comm.pmean(payload), n, key), own
+  gathered = _decode_all(codec, comm.all_gather(payload), n, key)
+  return jnp.mean(gathered, axis=0), own
+
+
+def _two_phase_mean(codec: codecs_lib.Codec, flat: jax.Array, comm: Any,
+                    key: jax.Array, enc_key: jax.Array, workers: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """``(mean over workers, own decoded values)`` of one flat buffer by
+  ``reduce='two_phase'``: parts exchanged all-to-all, averaged, re-encoded
+  and all-gathered."""
+  w = comm.size()
+  if w != workers:
+    raise ValueError(f'the worker axis {comm.axis_name!r} has {w} '
+                     f'workers, but the codec was built for {workers}')
+  flat = comm.spread(flat, codec.block_size * w)
+  n = flat.size // w
+  rows = flat.reshape(w, n)
+  parts = jax.vmap(lambda r, j: codec.encode(
+      r, jax.random.fold_in(enc_key, j)))(rows, jnp.arange(w))
+  own = _decode_all(codec, parts, n, key).reshape(-1)
+  mine = jnp.mean(_decode_all(codec, comm.all_to_all(parts), n, key), axis=0)
+  again = codec.encode(mine, jax.random.fold_in(enc_key, w))
+  avg = _decode_all(codec, comm.all_gather(again), n, key).reshape(-1)
+  return avg, own
+
+
 def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
                workers: int | None = None) -> Compressor:
   """The mean over workers of a tree sent through ``codec``.
@@ -306,9 +348,6 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
     workers = _checks.positive_int(
         workers, 'workers (for reduce=\'two_phase\')', arrays=True)
 
-  def decode_all(payloads, n, key):
-    return jax.vmap(lambda p: codec.decode(p, n, key))(payloads)
-
   elementwise = codec.exact and codec.linear
 
   def mean(tree, state, comm, key):
@@ -337,28 +376,9 @@ def from_codec(codec: codecs_lib.Codec, *, reduce: str = 'gather',
                      for vs in (means, sent))
       return means, sent, state
     if two_phase:
-      w = comm.size()
-      if w != workers:
-        raise ValueError(f'the worker axis {comm.axis_name!r} has {w} '
-                         f'workers, but the codec was built for {workers}')
-      flat = comm.spread(flat, codec.block_size * w)
-      n = flat.size // w
-      rows = flat.reshape(w, n)
-      parts = jax.vmap(lambda r, j: codec.encode(
-          r, jax.random.fold_in(enc_key, j)))(rows, jnp.arange(w))
-      own = decode_all(parts, n, key).reshape(-1)
-      mine = jnp.mean(decode_all(comm.all_to_all(parts), n, key), axis=0)
-      again = codec.encode(mine, jax.random.fold_in(enc_key, w))
-      avg = decode_all(comm.all_gather(again), n, key).reshape(-1)
+      avg, own = _two_phase_mean(codec, flat, comm, key, enc_key, workers)
     else:
-      flat = (comm.pad if codec.linear else comm.spread)(flat, codec.block_size)
-      n = flat.size
-      payload = codec.encode(flat, enc_key)
-      own = codec.decode(payload, n, key)
-      if codec.linear:
-        avg = codec.decode(comm.pmean(payload), n, key)
-      else:
-        avg = jnp.mean(decode_all(comm.all_gather(payload), n, key), axis=0)
+      avg, own = _flat_mean(codec, flat, comm, key, enc_key)
 
     def split(v):
       out, start = [], 0

@@ -320,6 +320,21 @@ def _global_step(state: HierarchicalDilocoState, group_anchor: Any, *,
        'num_global_syncs': state.num_global_syncs + 1})
 
 
+def _check_exchange(global_exchange: str, axis_name: str | None,
+                    group_size: int, codec: Any, group_codec: Any) -> None:
+  """Refuses exchanges that :func:`hierarchical_diloco` cannot run."""
+  _checks.one_of(global_exchange, 'global_exchange', GLOBAL_EXCHANGES)
+  if global_exchange == 'representatives' and codec is not None:
+    raise ValueError("hierarchical_diloco(global_exchange='representatives')"
+                     ' sends the fp32 group deltas between representatives; '
+                     'it takes no global codec (use group_codec inside '
+                     "groups, or global_exchange='all')")
+  if axis_name is None and (group_size > 1 or codec is not None
+                            or group_codec is not None):
+    raise ValueError('hierarchical_diloco with group_size > 1 or a codec '
+                     'needs an axis_name')
+
+
 def hierarchical_diloco(
     inner: optax.GradientTransformation,
     *,
@@ -449,23 +464,14 @@ def hierarchical_diloco(
   _checks.transformation(group_outer, 'group_outer', optional=True)
   h1, h2 = _check_periods(sync_every, global_sync_every)
   group_size = _checks.positive_int(group_size, 'group_size')
-  _checks.one_of(global_exchange, 'global_exchange', GLOBAL_EXCHANGES)
-  if global_exchange == 'representatives' and codec is not None:
-    raise ValueError("hierarchical_diloco(global_exchange='representatives')"
-                     ' sends the fp32 group deltas between representatives; '
-                     'it takes no global codec (use group_codec inside '
-                     "groups, or global_exchange='all')")
-  if axis_name is None and (group_size > 1 or codec is not None
-                            or group_codec is not None):
-    raise ValueError('hierarchical_diloco with group_size > 1 or a codec '
-                     'needs an axis_name')
+  _check_exchange(global_exchange, axis_name, group_size, codec, group_codec)
   inner = optax.with_extra_args_support(inner)
   group_outer = (_local.nesterov_outer(GROUP_LEARNING_RATE, GROUP_MOMENTUM)
                  if group_outer is None else group_outer)
   outer = global_outer() if outer is None else outer
   compressor = None if codec is None else compression.as_compressor(codec)
   group_scheme = group_compressor(group_codec, group_error_feedback,
-                                       group_ef_decay)
+                                 group_ef_decay)
   comm = compression.Comm(axis_name) if axis_name is not None else None
   varying = _local.varying_fn(comm)
 
