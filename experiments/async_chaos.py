@@ -41,7 +41,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from experiments import provenance as provenance_lib
+from experiments import _async_tables
+from experiments import _runs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NUM_LEARNERS = 4
@@ -254,25 +255,19 @@ def main(argv):
   # a SIGTERM ends the run through its finally: its processes are killed
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
   out = pathlib.Path(_OUT.value)
-  start = time.time()
   results = {}
   for name in _ONLY.value:
     results[name] = one_run(name, out / name)
     print(name, json.dumps(results[name]), flush=True)
-  value = {'format': 1, 'benchmark': 'async_chaos',
-           'command': ' '.join(['python -m experiments.async_chaos',
-                                *sys.argv[1:]]),
-           'provenance': provenance_lib.collect(),
-           'wall_seconds': time.time() - start,
-           'settings': {'seconds': _SECONDS.value, 'seed': _SEED.value,
-                        'pace_s': _PACE.value, 'slow_factor': _SLOW.value,
-                        'kills': _KILLS.value, 'down_s': _DOWN.value,
-                        'syncer_down_s': _SYNCER_DOWN.value,
-                        'num_learners': NUM_LEARNERS, 'config': CONFIG},
-           'results': results}
-  (out / 'async_chaos.json').write_text(json.dumps(value, indent=2,
-                                                   default=str))
-  print(f'wrote {out / "async_chaos.json"}')
+  settings = {'seconds': _SECONDS.value, 'seed': _SEED.value,
+              'pace_s': _PACE.value, 'slow_factor': _SLOW.value,
+              'kills': _KILLS.value, 'down_s': _DOWN.value,
+              'syncer_down_s': _SYNCER_DOWN.value,
+              'num_learners': NUM_LEARNERS, 'config': CONFIG}
+  # The results file of every benchmark (command, provenance, corpus).
+  _runs.write(out, 'async_chaos', _async_tables.async_chaos_main(
+      {'settings': settings, 'results': results}), results,
+              settings=settings)
 
 
 if __name__ == '__main__':
