@@ -6,7 +6,7 @@ import pytest
 
 from configs import diloco_lm
 from experiments import _frontier_tables
-from experiments import frontier
+from experiments import _frontier_runs as frontier
 from loc_opt.train import experiment as exp_lib
 
 
