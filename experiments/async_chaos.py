@@ -43,10 +43,11 @@ import numpy as np
 
 from experiments import _async_tables
 from experiments import _runs
+from experiments._chaos_schedule import NUM_LEARNERS
+from experiments._chaos_schedule import schedule
+from experiments._chaos_schedule import SLOW
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NUM_LEARNERS = 4
-SLOW = 3
 RUNS = {'no_failures': (False, []), 'chaos': (True, []),
         'chaos_staleness': (True, ['--age_power=0.5', '--correction=1',
                                    '--restart_every=8'])}
@@ -64,26 +65,6 @@ _DOWN = flags.DEFINE_float('down_s', 15., 'Mean learner downtime (s).')
 _SYNCER_DOWN = flags.DEFINE_float('syncer_down_s', 5., 'Syncer downtime.')
 _ONLY = flags.DEFINE_list('runs', list(RUNS), 'Runs to do.')
 flags.mark_flag_as_required('out')
-
-
-def schedule(seed: int, seconds: float, kills: int, down_s: float
-             ) -> list[tuple[float, str, str]]:
-  """Seeded ``(time, 'kill'|'start', process)`` events within the window:
-  ``kills`` learner kills in its middle 60% (a learner that is down is not
-  picked), each followed by a restart after an exponential downtime (mean
-  ``down_s``, at least 2 s), and the syncer killed at 50% of the window."""
-  rng = np.random.default_rng(seed)
-  events, up_at = [], {}
-  for t in np.sort(rng.uniform(0.2 * seconds, 0.8 * seconds, kills)):
-    alive = [m for m in range(NUM_LEARNERS) if up_at.get(m, 0.) <= t]
-    if not alive:
-      continue
-    m = int(rng.choice(alive))
-    back = float(t + max(2., rng.exponential(down_s)))
-    up_at[m] = back
-    events += [(float(t), 'kill', f'l{m}'), (back, 'start', f'l{m}')]
-  events.append((0.5 * seconds, 'kill', 'syncer'))
-  return sorted(events)
 
 
 class _Run:

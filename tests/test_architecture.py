@@ -158,3 +158,29 @@ def test_function_length_ignores_the_docstring(tmp_path, source, expected):
   path = tmp_path / 'm.py'
   path.write_text(source)
   assert sizes.function_lengths(path) == [('f', expected, 1)]
+
+
+def test_tests_import_no_program_with_flags():
+  # absl flags are process-global: two programs that define --config or
+  # --workdir cannot be imported into one pytest process (a
+  # DuplicateFlagError at collection). Tests import helper modules, and run
+  # programs as subprocesses.
+  root = pathlib.Path(__file__).resolve().parent
+  programs = set()
+  for path in (root.parent / 'experiments').glob('*.py'):
+    if 'flags.DEFINE_' in path.read_text():
+      programs.add(f'experiments.{path.stem}')
+  assert 'experiments.frontier' in programs  # the check can bite
+  found = []
+  for path in root.rglob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == 'experiments':
+        names = [f'experiments.{a.name}' for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:
+        names = [node.module or '']
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        continue
+      found += [f'{path.name}: {n}' for n in names if n in programs]
+  assert not found, found

@@ -1,6 +1,9 @@
 """The goodput simulator: closed forms, a hand-worked trace, orderings."""
 
 import math
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -200,18 +203,18 @@ def test_measured_goodput_is_below_the_renewal_upper_bound(num_learners):
 
 
 def test_goodput_experiment_prints_without_a_workdir_or_matplotlib(
-    capsys, tmp_path):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from experiments import goodput as experiment
+    tmp_path):
+  # A subprocess: the program's absl flags (--workdir, ...) would collide
+  # with other programs' in this test process.
   figure = tmp_path / 'goodput.png'
-  argv = ['goodput', '--chips=150000,300000', '--learners=1,4', '--nofit',
-          '--horizon_days=1', '--timeline_steps=500', f'--figure={figure}']
-  flags.FLAGS(argv)
-  try:
-    experiment.main(argv)
-  finally:
-    flags.FLAGS.unparse_flags()
-  out = capsys.readouterr().out
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.goodput', '--chips=150000,300000',
+       '--learners=1,4', '--nofit', '--horizon_days=1',
+       '--timeline_steps=500', f'--figure={figure}'],
+      cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True,
+      text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = proc.stdout
   assert 'measured on its driver\'s timeline' in out
   assert '| 4 | 150k |' in out and 'nothing written' in out
   assert not list(tmp_path.glob('*.md'))

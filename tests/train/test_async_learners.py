@@ -265,7 +265,7 @@ def jax_leaves(tree):
 
 
 def test_the_chaos_schedule_is_seeded_and_kills_only_live_learners():
-  from experiments import async_chaos  # pylint: disable=g-import-not-at-top
+  from experiments import _chaos_schedule as async_chaos  # pylint: disable=g-import-not-at-top
   events = async_chaos.schedule(0, 100., 6, 15.)
   assert events == async_chaos.schedule(0, 100., 6, 15.)
   assert events != async_chaos.schedule(1, 100., 6, 15.)
