@@ -241,6 +241,29 @@ def test_versions_are_atomic_and_never_overwritten(tmp_path):
   store.close()
 
 
+def test_a_version_deleted_while_a_reader_opens_the_store_is_listed_again(
+    tmp_path, monkeypatch):
+  # The syncer deletes old versions (max_to_keep) while learners list them;
+  # Orbax then fails on a step it had just listed, also when a reader first
+  # opens its manager. The reader lists the directory again.
+  store = store_lib.Store(tmp_path / 'store')
+  params = {'w': np.ones((3,), np.float32)}
+  store.publish_global(0, params, {'m': np.zeros((3,), np.float32)}, {})
+  real, failures = store_lib._manager, []
+
+  def flaky(*args, **kwargs):
+    if not failures:
+      failures.append(1)
+      raise FileNotFoundError('a step deleted while listing')
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(store_lib, '_manager', flaky)
+  reader = store_lib.Store(tmp_path / 'store')
+  assert reader.versions() == [0] and failures == [1]
+  reader.close()
+  store.close()
+
+
 @pytest.mark.parametrize('codec, tol', [(None, 0.), ('int8', 0.02)])
 def test_payloads_round_trip_through_the_store(tmp_path, codec, tol):
   delta = {'a': np.linspace(-1, 1, 300, dtype=np.float32),

@@ -137,15 +137,16 @@ class Store:
   # ------------------------------------------------------------ managers ---
   def _reader(self, key: str, directory: epath.Path,
               items: tuple[str, ...]) -> ocp.CheckpointManager | None:
-    if key not in self._readers:
-      if not directory.exists():
-        return None
-      self._readers[key] = _manager(directory, write=False, keep=None,
-                                    items=items)
-    mngr = self._readers[key]
+    if key not in self._readers and not directory.exists():
+      return None
     for attempt in range(_RETRIES):
       try:
-        mngr.reload()
+        # Opening a manager lists the directory too, as a reload does.
+        if key not in self._readers:
+          self._readers[key] = _manager(directory, write=False, keep=None,
+                                        items=items)
+        else:
+          self._readers[key].reload()
         break
       except FileNotFoundError:
         # a step was deleted (its writer's max_to_keep) while Orbax listed
@@ -153,7 +154,7 @@ class Store:
         if attempt == _RETRIES - 1:
           raise
         time.sleep(0.05)
-    return mngr
+    return self._readers[key]
 
   def _writer(self, key: str, directory: epath.Path, keep: int | None,
               items: tuple[str, ...]) -> ocp.CheckpointManager:
