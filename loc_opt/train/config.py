@@ -66,6 +66,16 @@ def section(config: ml_collections.ConfigDict, name: str
   return config.outer.get(name) or ml_collections.ConfigDict()
 
 
+def required(config: ml_collections.ConfigDict, name: str, field: str
+             ) -> Any:
+  """``config.outer.<name>.<field>``, a field only the config defines; a
+  ``ValueError`` naming it when the config lacks it."""
+  s = section(config, name)
+  if field not in s:
+    raise ValueError(f'outer.{name}.{field} is missing from the config')
+  return s[field]
+
+
 def checked(field: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
   """Calls ``fn``; a ``ValueError`` / ``TypeError`` is re-raised as a
   ``ValueError`` that starts with the config ``field`` it came from."""

@@ -28,10 +28,7 @@ SECTION = 'group_diloco'
 
 
 def _field(config: ml_collections.ConfigDict, name: str) -> Any:
-  s = cfg_lib.section(config, SECTION)
-  if name not in s:
-    raise ValueError(f'outer.{SECTION}.{name} is missing from the config')
-  return s[name]
+  return cfg_lib.required(config, SECTION, name)
 
 
 def periods(config: ml_collections.ConfigDict) -> tuple[int, int]:

@@ -49,12 +49,7 @@ def _pick(config, name: str, fields: tuple[str, ...],
   return {rename.get(f, f): cfg_lib.plain(s[f]) for f in fields if f in s}
 
 
-def _required(config, name: str, field: str) -> Any:
-  """A field of ``outer.<name>`` that only the config defines."""
-  s = _section(config, name)
-  if field not in s:
-    raise ValueError(f'outer.{name}.{field} is missing from the config')
-  return s[field]
+_required = cfg_lib.required
 
 
 def _kwargs(method: str, fn: Callable[..., Any], config) -> dict[str, Any]:
