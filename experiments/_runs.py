@@ -132,6 +132,29 @@ def _finished_step(workdir) -> dict[str, Any] | None:
   return {'step': max(steps), 'finished': False} if steps else None
 
 
+def read_back(config: ml_collections.ConfigDict, run_dir: str, label: str
+              ) -> dict[str, Any] | None:
+  """The summary (with its eval curve) of a finished run of ``config``'s
+  method and length in ``run_dir``, read from its files without building
+  the trainer and remembered as one of :data:`RUNS`; None if there is
+  none. (A run whose config predates fields added since, which the
+  trainer's resume check refuses, is read back all the same.)"""
+  path = os.path.join(run_dir, 'summary.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  if (not summary.get('finished') or summary.get('step') != config.num_steps
+      or summary.get('method') != config.outer.method):
+    return None
+  summary['curve'] = curve(run_dir)
+  remember(config, run_dir, label, provenance_lib.read(run_dir), summary)
+  print(f'{label:<34} steps {summary["step"]:>4}  final eval loss '
+        f'{summary["final_eval_loss"]:.4f} (read back from {run_dir})',
+        flush=True)
+  return summary
+
+
 def remember(config: ml_collections.ConfigDict, workdir, label: str,
              record: dict[str, Any] | None,
              summary: dict[str, Any] | None = None) -> None:

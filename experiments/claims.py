@@ -55,7 +55,6 @@ and its rows say so instead of giving bytes.
 """
 
 import copy
-import json
 import os
 
 from absl import app
@@ -63,7 +62,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
-from experiments import provenance
 from experiments import _claims
 from experiments import tables
 from experiments._claims import METHODS
@@ -175,7 +173,7 @@ class _Study:
     at += '' if momentum is None else f', momentum {momentum:g}'
     label = f'{size} {METHODS[method][0]}, {knob:g}{at}, seed {seed}'
     run_dir = os.path.join(_WORKDIR.value, name)
-    s = _read_back(c, run_dir, label) or _runs.run(c, run_dir, label)
+    s = _runs.read_back(c, run_dir, label) or _runs.run(c, run_dir, label)
     row = {'name': name, 'size': size, 'method': method, 'knob': knob,
            'inner_lr': inner, 'seed': seed, 'num_params': s['num_params'],
            'outer_momentum': momentum,
@@ -207,27 +205,6 @@ class _Study:
     _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 tables.render('claims', 'main', {'results': results}),
                 results)
-
-
-def _read_back(config, run_dir, label):
-  """The summary of the finished run in ``run_dir`` (its steps and method
-  those of ``config``; the name holds the rest of its setting), read from
-  its files without building the trainer, or None. A run whose config
-  predates fields added since (which the trainer's resume check refuses,
-  though they change nothing here) is read back all the same."""
-  path = os.path.join(run_dir, 'summary.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    summary = json.load(f)
-  if (not summary.get('finished') or summary.get('step') != config.num_steps
-      or summary.get('method') != config.outer.method):
-    return None
-  summary['curve'] = _runs.curve(run_dir)
-  _runs.remember(config, run_dir, label, provenance.read(run_dir), summary)
-  print(f'{label:<34} steps {summary["step"]:>4}  final eval loss '
-        f'{summary["final_eval_loss"]:.4f} (read back)', flush=True)
-  return summary
 
 
 def _device() -> str:

@@ -29,7 +29,6 @@ figure are drawn by ``experiments.tables`` from the results file.
 """
 
 import copy
-import json
 import math
 import os
 
@@ -38,7 +37,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import _runs
-from experiments import provenance
 from experiments import tables
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
@@ -140,24 +138,6 @@ def _clock(exp, gbps, *, step_time, model_params=0, speeds=None):
       model_params=model_params, speeds=speeds)
 
 
-def _finished(run_dir, config, label):
-  """The summary of a finished run of ``config``'s method and length in
-  ``run_dir``, or None."""
-  path = os.path.join(run_dir, 'summary.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    summary = json.load(f)
-  if (not summary.get('finished') or summary.get('step') != config.num_steps
-      or summary.get('method') != config.outer.method):
-    return None
-  summary['curve'] = _runs.curve(run_dir)
-  print(f'{run_dir}: reused (final eval loss '
-        f'{summary["final_eval_loss"]:.4f})', flush=True)
-  _runs.remember(config, run_dir, label, provenance.read(run_dir), summary)
-  return summary
-
-
 def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
@@ -175,7 +155,7 @@ def main(argv):
   for name in names:
     label, c = _config(base, name, h, straggler)
     run_dir = os.path.join(_WORKDIR.value, name)
-    summary = _finished(run_dir, c, label) if _REUSE.value else None
+    summary = _runs.read_back(c, run_dir, label) if _REUSE.value else None
     if summary is None:
       summary = _runs.run(c, run_dir, label)
     exp = train.get_experiment(c)
