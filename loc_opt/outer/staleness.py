@@ -77,7 +77,9 @@ def scale_by_age(power: jax.typing.ArrayLike = 0.5
 
 
 def _dot(a: Any, b: Any) -> jax.Array:
-  return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+  # An element-wise product and a sum, not jnp.vdot: a vdot of leaves
+  # sharded over one mesh axis is refused (ambiguous output sharding).
+  return sum(jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 

@@ -89,9 +89,10 @@ def test_all_options_off_is_the_outer_optimizer():
 @pytest.mark.parametrize('kwargs', [
     {'age_power': 0.5}, {'correction': 0.5}, {'restart_every': 2},
     {'age_power': 0.5, 'correction': 1., 'restart_every': 3}])
-def test_options_jit_once_and_match_eager(kwargs):
-  def make(lr):
+def test_options_pass_the_conformance_suite(kwargs, tmp_path):
+  def make(learning_rate):
     return staleness.staleness_outer(
-        optax.sgd(lr, momentum=0.9, nesterov=True), **kwargs)
+        optax.sgd(learning_rate, momentum=0.9, nesterov=True), **kwargs)
   conf.check_no_recompile(make)
   conf.check_jit_matches_eager(make)
+  conf.check_all(make, tmp_path)
