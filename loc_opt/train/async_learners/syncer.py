@@ -40,9 +40,23 @@ restarted syncer resumes from the newest version; the learners keep training
 and publishing meanwhile, and what they published while it was down is
 merged when it is back.
 
-Choice: the whole model is one fragment (every payload carries every
-parameter); Decoupled DiLoCo's staggered fragments are in the SPMD version
-(:func:`loc_opt.outer.decoupled_diloco`).
+**Fragments.** With ``num_fragments = P > 1`` the model is split as the
+SPMD version splits it (:class:`~loc_opt.train.async_learners.wire.Fragments`:
+whole tensors bin-packed, :func:`loc_opt.outer.balanced_fragments`); a
+learner publishes one fragment's pseudo-gradient every ``H / P`` inner
+steps, fragment ``p`` at offset ``p H / P`` (Streaming DiLoCo's staggered
+schedule, as :func:`loc_opt.outer.decoupled_timeline`), and every rule
+above applies per fragment: the quorum counts the learners with a fresh
+payload *of that fragment*, its grace window opens at that fragment's
+previous merge, a payload's age is the number of merges *of its fragment*
+since the fragment version it builds on, and each fragment has its own
+outer optimizer state. A merge of fragment ``p`` changes only fragment
+``p`` of the parameters; it still publishes one global version ``v + 1``
+(the whole model), whose counters hold each fragment's version
+(``fragment_versions``: its merges so far). The store records
+``num_fragments``; a learner or a restarted syncer with another value
+refuses to start. ``P = 1`` (the default) is the whole model as one
+fragment, every payload carrying every parameter.
 """
 
 import dataclasses
@@ -91,10 +105,12 @@ class SyncerOptions:
   correction: float = 0.0
   restart_every: int = 0
   poll_s: float = 0.05
+  num_fragments: int = 1  # P (wire.Fragments); the learners' must match
 
   def check(self) -> 'SyncerOptions':
     if not isinstance(self.quorum, int) or self.quorum < 1:
       raise ValueError(f'quorum must be an int >= 1, got {self.quorum!r}')
+    _checks.positive_int(self.num_fragments, 'num_fragments')
     _checks.in_interval(self.grace, 'grace', 0, 1)
     for name in ('grace_cap_s', 'overlap', 'liveness_s', 'poll_s',
                  'age_power'):
@@ -139,14 +155,37 @@ class _Pending:
   meta: dict[str, Any]
   delta: Any
   seen_at: float
+  fragment: int = 0
+  base: int = 0  # the fragment's global version the delta builds on
 
 
-def _fresh_counters() -> dict[str, Any]:
+def _fresh_counters(num_fragments: int = 1) -> dict[str, Any]:
+  # consumed: learner -> n, every payload <= n consumed; consumed_above:
+  # learner -> the payload numbers > n consumed too (payloads of one
+  # fragment merged while an older one of another fragment waits)
   return {'merges': 0, 'payloads_merged': 0, 'payloads_stale': 0,
           'payloads_unusable': 0, 'payloads_lost': 0, 'tokens_merged': 0.,
           'tokens_discarded': 0.,
-          'bytes_received': 0, 'consumed': {}, 'merged_by_learner': {},
-          'syncer_starts': 0}
+          'bytes_received': 0, 'consumed': {}, 'consumed_above': {},
+          'merged_by_learner': {}, 'syncer_starts': 0,
+          'num_fragments': num_fragments,
+          'fragment_versions': [0] * num_fragments}
+
+
+def _payload_fragment(meta: dict[str, Any], num_fragments: int
+                      ) -> tuple[int, int]:
+  """``(fragment, base)`` of a payload's meta: its fragment and the global
+  version of that fragment it builds on (one fragment: ``base_version``)."""
+  p = meta.get('fragment', 0)
+  if not isinstance(p, int) or not 0 <= p < num_fragments:
+    raise ValueError(f'payload fragment {p!r} is not in [0, num_fragments='
+                     f'{num_fragments})')
+  if 'base_fragment_version' in meta:
+    return p, int(meta['base_fragment_version'])
+  if num_fragments > 1:
+    raise ValueError('a payload of a num_fragments > 1 run has no '
+                     'base_fragment_version')
+  return p, int(meta['base_version'])
 
 
 class Syncer:
@@ -157,42 +196,75 @@ class Syncer:
                log=None):
     self.store, self.opts, self.log = store, options.check(), log
     self.params_like = params_like
+    self.frags = wire.Fragments(params_like, options.num_fragments)
     self.tx = staleness.staleness_outer(
         _local.nesterov_outer(options.outer_lr, options.outer_momentum),
         age_power=options.age_power, correction=options.correction,
         restart_every=options.restart_every)
     self.direct = direct_leaves(params_like)
     self._update = jax.jit(self.tx.update)
-    self._merge = jax.jit(functools.partial(
-        merge_stacked, direct=self.direct, merge=options.merge))
+    self._merges = [jax.jit(functools.partial(
+        merge_stacked, direct=[self.direct[i] for i in leaves],
+        merge=options.merge)) for leaves in self.frags.leaves]
     self.pending: list[_Pending] = []
     self.step_s: dict[str, float] = {}
     self.sync_s = 0.
     self._walls: dict[tuple[str, int], float] = {}
     self._resume(init)
-    self.opened = time.time()
-    self.quorum_at: float | None = None
-    self.deadline: float | None = None
+    # per fragment: the previous merge, and the quorum time and deadline of
+    # the merge under way
+    self.opened = [time.time()] * self.frags.num
+    self.quorum_at: dict[int, float] = {}
+    self.deadline: dict[int, float] = {}
+    self._due: int | None = None
+
+  def _outer_init(self) -> Any:
+    """The outer optimizer state: one tree (one fragment) or a tuple of one
+    state per fragment, over that fragment's list of leaves."""
+    like = jax.tree.map(jnp.asarray, self.params_like)
+    if self.frags.num == 1:
+      return self.tx.init(like)
+    return tuple(self.tx.init(self.frags.take(like, p))
+                 for p in range(self.frags.num))
+
+  def _outer(self, p: int) -> Any:
+    return self.outer_state if self.frags.num == 1 else self.outer_state[p]
+
+  def _set_outer(self, p: int, state: Any) -> None:
+    if self.frags.num == 1:
+      self.outer_state = state
+    else:
+      self.outer_state = (self.outer_state[:p] + (state,)
+                          + self.outer_state[p + 1:])
 
   def _resume(self, init: Any | None) -> None:
     latest = self.store.latest_version()
-    outer_like = self.tx.init(jax.tree.map(jnp.asarray, self.params_like))
+    outer_like = self._outer_init()
+    num = self.frags.num
     if latest is None:
       if init is None:
         raise ValueError(f'store {self.store.root} has no global version and '
                          'no initial parameters were given')
       self.params = jax.tree.map(lambda x: np.asarray(x, np.float32), init)
       self.outer_state = outer_like
-      self.version, self.counters = 0, _fresh_counters()
+      self.version, self.counters = 0, _fresh_counters(num)
       self.counters['syncer_starts'] = 1
       self._publish()
       return
+    _, _, meta = self.store.read_global(latest, self.params_like)
+    if meta.get('num_fragments', 1) != num:
+      raise ValueError(
+          f'num_fragments={num}, but the store {self.store.root} was written '
+          f'with num_fragments={meta.get("num_fragments", 1)} (global version '
+          f'{latest}); restart the syncer with that value')
     params, outer, meta = self.store.read_global(latest, self.params_like,
                                                  outer_like)
     self.params, self.version = params, latest
     self.outer_state = jax.tree.map(jnp.asarray, outer)
-    fresh = _fresh_counters()
+    fresh = _fresh_counters(num)
     self.counters = {**fresh, **{k: v for k, v in meta.items() if k in fresh}}
+    if 'fragment_versions' not in meta:  # written before fragments existed
+      self.counters['fragment_versions'] = [latest]
     self.counters['syncer_starts'] = self.counters.get('syncer_starts', 0) + 1
     self._log('resumed', version=latest)
 
@@ -208,34 +280,63 @@ class Syncer:
 
   # --------------------------------------------------------------- poll ---
   def poll(self) -> None:
-    """Reads the payloads that arrived since the last poll."""
-    seen = dict(self.counters['consumed'])
-    for p in self.pending:
-      seen[p.learner] = max(seen.get(p.learner, -1), p.seq)
-    for learner, seq in list(self.store.new_payloads(seen)):
-      if seq > seen.get(learner, -1) + 1:
-        # deleted by the learner's max_to_keep before this syncer read them
-        self.counters['payloads_lost'] += seq - seen.get(learner, -1) - 1
-      seen[learner] = seq
-      try:
-        payload = self.store.read_payload(learner, seq)
-        meta = payload.meta
-        delta = wire.decode(payload.delta, meta.get('codec'),
-                            meta.get('seed', 0), self.params_like)
-      except (store_lib.Gone, ValueError) as e:
-        self._log('unreadable', learner=learner, seq=seq, error=str(e))
-        self._consume(learner, seq)
-        self.counters['payloads_unusable'] += 1
-        continue
-      self.pending.append(_Pending(learner, seq, meta, delta, time.time()))
-      if meta.get('step_s'):
-        old = self.step_s.get(learner)
-        self.step_s[learner] = (meta['step_s'] if old is None
-                                else 0.7 * old + 0.3 * meta['step_s'])
+    """Reads the payloads that arrived since the last poll: every payload
+    not consumed yet and not pending (also one older than a payload of
+    another fragment that was merged already)."""
+    consumed = self.counters['consumed']
+    known = {(p.learner, p.seq) for p in self.pending}
+    for learner in self.store.learners():
+      low = consumed.get(learner, -1)
+      done = set(self.counters['consumed_above'].get(learner, ()))
+      listed = [n for n in self.store.payload_seqs(learner) if n > low]
+      for n in range(low + 1, max(listed, default=low)):
+        if n not in done and (learner, n) not in known and n not in listed:
+          # deleted by the learner's max_to_keep before this syncer read it
+          self.counters['payloads_lost'] += 1
+          self._consume(learner, n)
+      for seq in listed:
+        if seq not in done and (learner, seq) not in known:
+          self._read(learner, seq)
+
+  def _read(self, learner: str, seq: int) -> None:
+    """Reads payload ``seq`` of ``learner`` into the pending list (or
+    consumes it as unusable)."""
+    try:
+      payload = self.store.read_payload(learner, seq)
+      meta = payload.meta
+      fragment, base = _payload_fragment(meta, self.frags.num)
+      delta = wire.decode(payload.delta, meta.get('codec'),
+                          meta.get('seed', 0), self.frags.like[fragment])
+    except (store_lib.Gone, ValueError, KeyError) as e:
+      self._log('unreadable', learner=learner, seq=seq, error=str(e))
+      self._consume(learner, seq)
+      self.counters['payloads_unusable'] += 1
+      return
+    self.pending.append(_Pending(learner, seq, meta, delta, time.time(),
+                                 fragment, base))
+    if meta.get('step_s'):
+      old = self.step_s.get(learner)
+      self.step_s[learner] = (meta['step_s'] if old is None
+                              else 0.7 * old + 0.3 * meta['step_s'])
 
   def _consume(self, learner: str, seq: int) -> None:
-    consumed = self.counters['consumed']
-    consumed[learner] = max(consumed.get(learner, -1), seq)
+    """Marks payload ``seq`` of ``learner`` consumed (never read again)."""
+    consumed, above = self.counters['consumed'], self.counters[
+        'consumed_above']
+    done = set(above.get(learner, ())) | {seq}
+    low = consumed.get(learner, -1)
+    while low + 1 in done:
+      low += 1
+    consumed[learner] = low
+    done = sorted(n for n in done if n > low)
+    if done:
+      above[learner] = done
+    else:
+      above.pop(learner, None)
+
+  def age(self, p: _Pending) -> int:
+    """Merges of ``p``'s fragment since the version its delta builds on."""
+    return self.counters['fragment_versions'][p.fragment] - p.base
 
   def live_learners(self, now: float) -> set[str]:
     """Learners whose newest payload (by its writer's clock) is recent."""
@@ -258,34 +359,56 @@ class Syncer:
     return live
 
   def ready(self, now: float) -> bool:
-    """Whether to merge now (quorum reached and the grace window over)."""
-    fresh = {p.learner for p in self.pending
-             if self.version - p.meta['base_version'] <= self.opts.max_staleness}
-    if not fresh:
-      return False
-    if self.quorum_at is None:
-      need = min(self.opts.quorum, max(1, len(self.live_learners(now))))
-      if len(fresh) < need:
-        return False
-      self.quorum_at = now
-      step = max(self.step_s.values(), default=0.)
-      self.deadline = now + grace_window(
-          self.opts.grace, self.opts.overlap, step, now - self.opened,
-          self.sync_s, self.opts.grace_cap_s)
-    return now >= self.deadline
+    """Whether to merge now: some fragment reached its quorum and its grace
+    window is over (that fragment is the one :meth:`merge` takes)."""
+    self._due = self.due(now)
+    return self._due is not None
+
+  def due(self, now: float) -> int | None:
+    """The fragment to merge now (of those whose quorum was reached and
+    grace window is over, the earliest deadline), or None. Quorum, grace
+    window and staleness are per fragment."""
+    fresh: dict[int, set[str]] = {}
+    for p in self.pending:
+      if self.age(p) <= self.opts.max_staleness:
+        fresh.setdefault(p.fragment, set()).add(p.learner)
+    live, ready = None, []
+    for f in sorted(fresh):
+      if f not in self.quorum_at:
+        if live is None:
+          live = len(self.live_learners(now))
+        if len(fresh[f]) < min(self.opts.quorum, max(1, live)):
+          continue
+        self.quorum_at[f] = now
+        step = max(self.step_s.values(), default=0.)
+        self.deadline[f] = now + grace_window(
+            self.opts.grace, self.opts.overlap, step, now - self.opened[f],
+            self.sync_s, self.opts.grace_cap_s)
+      if now >= self.deadline[f]:
+        ready.append((self.deadline[f], f))
+    return min(ready)[1] if ready else None
 
   # -------------------------------------------------------------- merge ---
-  def merge(self) -> dict[str, Any] | None:
-    """Merges the pending payloads into global version ``v + 1`` (None:
-    nothing usable; the stale ones are consumed either way)."""
+  def merge(self, fragment: int | None = None) -> dict[str, Any] | None:
+    """Merges the pending payloads of ``fragment`` into global version ``v
+    + 1`` (None: nothing usable; the stale ones are consumed either way).
+
+    ``fragment`` defaults to the one :meth:`ready` found due, else the
+    fragment of the oldest pending payload; the other fragments' payloads
+    stay pending."""
     start = time.time()
-    batch, self.pending = self.pending, []
+    if fragment is None:
+      fragment = (self._due if self._due is not None else
+                  self.pending[0].fragment if self.pending else 0)
+    self._due = None
+    batch = [p for p in self.pending if p.fragment == fragment]
+    self.pending = [p for p in self.pending if p.fragment != fragment]
     use = []
     for p in batch:
       self._consume(p.learner, p.seq)
       self.counters['bytes_received'] += int(p.meta.get('bytes', 0))
       finite = all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p.delta))
-      if self.version - p.meta['base_version'] > self.opts.max_staleness:
+      if self.age(p) > self.opts.max_staleness:
         self.counters['payloads_stale'] += 1
         self.counters['tokens_discarded'] += float(p.meta['tokens'])
       elif not finite:
@@ -293,41 +416,44 @@ class Syncer:
         self.counters['tokens_discarded'] += float(p.meta['tokens'])
       else:
         use.append(p)
-    self.quorum_at = self.deadline = None
+    self.quorum_at.pop(fragment, None)
+    self.deadline.pop(fragment, None)
     if not use:
       return None
     weights = self._weights(use)
-    ages = np.array([self.version - p.meta['base_version'] for p in use],
-                    np.float32)
+    ages = np.array([self.age(p) for p in use], np.float32)
     age = float(np.sum(weights * ages) / max(np.sum(weights), 1e-30))
-    treedef = jax.tree.structure(self.params_like)
+    treedef = jax.tree.structure(self.frags.like[fragment])
     # padded to a power of two with weight-0 entries (which no merge rule
     # counts), so that the merge compiles once per size class, not per M
     pad = (1 << (len(use) - 1).bit_length()) - len(use)
     stacked = [np.concatenate([np.stack(xs),
                                np.zeros((pad,) + xs[0].shape, np.float32)])
                for xs in zip(*[treedef.flatten_up_to(p.delta) for p in use])]
-    merged = self._merge(stacked, jnp.asarray(
+    merged = self._merges[fragment](stacked, jnp.asarray(
         np.concatenate([weights, np.zeros(pad, np.float32)])))
     merged = treedef.unflatten(merged)
-    params = jax.tree.map(jnp.asarray, self.params)
-    updates, self.outer_state = self._update(merged, self.outer_state, params,
-                                             age=jnp.float32(age))
-    self.params = jax.tree.map(np.asarray,
-                               optax.apply_updates(params, updates))
+    params = self.frags.take(jax.tree.map(jnp.asarray, self.params), fragment)
+    updates, outer = self._update(merged, self._outer(fragment), params,
+                                  age=jnp.float32(age))
+    self._set_outer(fragment, outer)
+    self.params = self.frags.put(self.params, fragment, jax.tree.map(
+        np.asarray, optax.apply_updates(params, updates)))
     self.version += 1
     c = self.counters
     c['merges'] += 1
+    c['fragment_versions'][fragment] += 1
     c['payloads_merged'] += len(use)
     c['tokens_merged'] += float(sum(p.meta['tokens'] for p in use))
     for p in use:
       c['merged_by_learner'][p.learner] = (
           c['merged_by_learner'].get(p.learner, 0) + 1)
-    info = {'payloads': [[p.learner, p.seq] for p in use],
+    info = {'fragment': fragment,
+            'payloads': [[p.learner, p.seq] for p in use],
             'ages': ages.tolist(), 'weights': weights.tolist(), 'age': age}
     self._publish(info)
     self.sync_s = 0.7 * self.sync_s + 0.3 * (time.time() - start)
-    self.opened = time.time()
+    self.opened[fragment] = time.time()
     self._log('merge', version=self.version, **info)
     return info
 
