@@ -46,7 +46,11 @@ dropout: workers
 sync), and at a fraction ``drop_fraction`` of all syncs (drawn from the
 seed) one worker, drawn too, misses it. An absent worker contributes
 nothing to that sync's mean, which is over the present workers, and
-rejoins from the new anchor (:func:`absences`).
+rejoins from the new anchor (:func:`absences`). And slow machines:
+``step_sleep_s``, seconds a process sleeps after each training step, one
+value for every process or one per process (``jax.process_index()``), so
+a process of a ``--local_processes`` run can stand for a slower machine
+(:func:`step_sleep`; the syncs make the others wait for it).
 """
 
 from collections.abc import Sequence
@@ -120,12 +124,35 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   if chaos['chaos_mtbf_steps'] and not chaos['chaos_downtime_steps']:
     raise ValueError('faults.chaos_mtbf_steps needs faults.'
                      'chaos_downtime_steps > 0 (how long a learner is down)')
+  sleeps = tuple(_checks.nonnegative_float(v, 'faults.step_sleep_s')
+                 for v in section.get('step_sleep_s', ()) or ())
   return {'failures': failures, **chaos,
           'nan_grad_steps': steps, 'nan_grad_workers': workers,
           'nan_param_steps': param_steps,
           'nan_param_workers': param_workers, 'max_bad_steps': limit,
           'drop_syncs': drop_syncs,
-          'drop_workers': drop_workers, 'drop_fraction': float(fraction)}
+          'drop_workers': drop_workers, 'drop_fraction': float(fraction),
+          'step_sleep_s': sleeps}
+
+
+def step_sleep(config: ml_collections.ConfigDict, process_index: int,
+               process_count: int) -> float:
+  """Seconds process ``process_index`` of ``process_count`` sleeps after
+  each training step (``faults.step_sleep_s``: empty, one value for every
+  process, or one per process).
+
+  Raises:
+    ValueError: a value is negative, or there are neither 0, 1 nor
+      ``process_count`` of them.
+  """
+  sleeps = settings(config)['step_sleep_s']
+  if len(sleeps) not in (0, 1, process_count):
+    raise ValueError(f'faults.step_sleep_s has {len(sleeps)} values for '
+                     f'{process_count} processes: give one, or one per '
+                     'process')
+  if not sleeps:
+    return 0.
+  return sleeps[process_index] if len(sleeps) > 1 else sleeps[0]
 
 
 def _failures(value: Any, workers: int

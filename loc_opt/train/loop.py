@@ -208,6 +208,8 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
   bound = faults.Bound(faults.settings(config)['max_bad_steps'],
                        counters.step, state)
   start = counters.step
+  # an emulated slower machine (faults.step_sleep_s)
+  pause = faults.step_sleep(config, jax.process_index(), jax.process_count())
   while counters.step < config.num_steps:
     if preempt.reached(counters.step):
       ckpt.save(counters.step, state, config_json)  # checks it is finite
@@ -228,6 +230,8 @@ def _run_steps(exp, config, state, counters, data, logger, ckpt,
                         counters.step + 1)
       state, loss_arr = programs.windows[window](state, batches)
     position += len(window)
+    if pause:
+      time.sleep(pause * len(window))
     for phase in window:
       step_bytes = programs.bytes_per_step[phase]
       counters.advance(exp.plan.is_sync(phase), step_bytes)

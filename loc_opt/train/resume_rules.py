@@ -21,7 +21,8 @@ _MUST_MATCH = ('model', 'mesh', 'outer', 'optimizer', 'batch_size', 'seed',
                'num_steps', 'data', 'faults', 'wallclock.worker_speeds')
 # outer.overlap groups steps into programs, with the same numbers.
 _RESUME_MAY_DIFFER = ('data.data_dir', 'data.eval_batch_size',
-                      'faults.max_bad_steps', 'outer.overlap')
+                      'faults.max_bad_steps', 'outer.overlap',
+                      'faults.step_sleep_s')  # pacing, not numerics
 
 # A branch must continue the same training problem and the same state
 # layout: everything under these fields must match, except the fields of

@@ -1,6 +1,10 @@
 """Non-finite steps (loc_opt.train.faults): skipped where they happen,
 counted, bounded, and never checkpointed."""
 
+import json
+import time
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +134,7 @@ def test_non_finite_params_are_never_saved():
     ('faults.drop_fraction', 1.0),
     ('faults.drop_fraction', -0.1),
     ('faults.drop_fraction', True),
+    ('faults.step_sleep_s', (-0.5,)),
 ])
 def test_bad_fault_fields_are_named(data_dir, tmp_path, field, value):
   overrides = {field: value}
@@ -243,3 +248,42 @@ def test_a_diverged_run_stops_whatever_the_sync_period(data_dir, tmp_path,
     ckpt.close()
     assert all(np.isfinite(x).all() for x in leaves(state)
                if np.issubdtype(x.dtype, np.floating))
+
+
+def test_step_sleep_is_one_value_or_one_per_process(data_dir):
+  config = tiny_config(data_dir, **{'faults.step_sleep_s': (0.1, 0.3)})
+  assert faults.step_sleep(config, 1, 2) == 0.3
+  with pytest.raises(ValueError, match='2 values for 3 processes'):
+    faults.step_sleep(config, 0, 3)
+  config.faults.step_sleep_s = (0.2,)
+  assert faults.step_sleep(config, 2, 3) == 0.2
+  config.faults.step_sleep_s = ()
+  assert faults.step_sleep(config, 0, 1) == 0.
+
+
+def test_step_sleep_paces_every_step_of_a_run(data_dir, tmp_path,
+                                              monkeypatch):
+  # An emulated slower machine: the loop sleeps after each of the 12 steps.
+  from loc_opt.train import loop  # pylint: disable=g-import-not-at-top
+  slept = []
+  clock = types.SimpleNamespace(perf_counter=time.perf_counter,
+                                sleep=slept.append)
+  monkeypatch.setattr(loop, 'time', clock)
+  config = tiny_config(data_dir, **{'faults.step_sleep_s': (0.25,)})
+  summary = train.train_and_evaluate(config, tmp_path)
+  assert summary['finished'] and slept == [0.25] * config.num_steps
+
+
+def test_a_run_resumes_with_another_step_sleep(data_dir):
+  # Pacing changes no number: a run saved before the field, or with another
+  # value, resumes.
+  from loc_opt.train import resume_rules  # pylint: disable=g-import-not-at-top
+  current = json.loads(json.dumps(tiny_config(
+      data_dir, **{'faults.step_sleep_s': (0.5,)}).to_dict(), default=str))
+  saved = json.loads(json.dumps(tiny_config(data_dir).to_dict(), default=str))
+  assert resume_rules.resume_diffs(saved, current) == []
+  del saved['faults']['step_sleep_s']
+  assert resume_rules.resume_diffs(saved, current) == []
+  saved['faults']['max_bad_steps'] = 3  # for contrast: a change that is not
+  saved['seed'] = 7
+  assert resume_rules.resume_diffs(saved, current)
