@@ -1,0 +1,175 @@
+"""Fragment payloads of the asynchronous learners (``num_fragments > 1``):
+the split and schedule (:class:`wire.Fragments`), the syncer's merge per
+fragment in-process, and a syncer with two learners as real processes."""
+
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from loc_opt.outer import _fragments
+from loc_opt.outer import decoupled_clock
+from loc_opt.outer.decoupled_diloco import merge_stacked
+from loc_opt.outer.decoupled_diloco import token_weight
+from loc_opt.train.async_learners import store as store_lib
+from loc_opt.train.async_learners import syncer as syncer_lib
+from loc_opt.train.async_learners import wire
+
+
+def _init(seed=0):
+  rng = np.random.default_rng(seed)
+  return {'a': rng.normal(size=(8, 6)).astype(np.float32),
+          'b': rng.normal(size=(40,)).astype(np.float32),
+          'c': rng.normal(size=(6, 7)).astype(np.float32),
+          'd': rng.normal(size=(3,)).astype(np.float32)}
+
+
+def _like(tree):
+  return jax.tree.map(lambda x: np.zeros_like(x), tree)
+
+
+# ------------------------------------------------------------ the split ---
+def test_fragments_split_as_the_spmd_version_and_round_trip():
+  init = _init()
+  frags = wire.Fragments(init, 2)
+  ids = jax.tree.leaves(_fragments.balanced_fragments(init, 2))
+  assert [sorted(g) for g in frags.leaves] == [
+      [i for i, f in enumerate(ids) if f == p] for p in range(2)]
+  # the fragment trees are lists of their leaves; put puts them back
+  zero = _like(init)
+  for p in range(2):
+    part = frags.take(init, p)
+    assert [x.shape for x in part] == [x.shape for x in frags.like[p]]
+    back = frags.put(zero, p, part)
+    for i, (x, y) in enumerate(zip(jax.tree.leaves(back),
+                                   jax.tree.leaves(init))):
+      np.testing.assert_array_equal(x, y if i in frags.leaves[p] else 0.)
+  one = wire.Fragments(init, 1)
+  assert one.take(init, 0) is init and one.put(zero, 0, init) is init
+  with pytest.raises(ValueError, match='num_fragments'):
+    wire.Fragments(init, 0)
+  with pytest.raises(ValueError, match='num_fragments=5'):
+    wire.Fragments(init, 5)  # more fragments than leaves
+  with pytest.raises(ValueError, match='num_fragments=3 must divide'):
+    wire.Fragments(init, 3).stride(8)
+
+
+def test_the_schedule_is_the_spmd_timelines():
+  # decoupled_timeline opens fragment p's window after inner step t with
+  # t mod H = p H / P; a learner publishes that fragment after step t
+  h, p_count = 8, 4
+  timeline = decoupled_clock.decoupled_timeline(
+      40, num_learners=1, sync_every=h, num_fragments=p_count, quorum=1)
+  opened = [(int(r.opened) + 1, r.fragment) for r in timeline.rounds]
+  frags = wire.Fragments(_init(), p_count)
+  assert opened and opened == [(t, frags.due(t, h)) for t, _ in opened]
+  assert [f for _, f in opened[:5]] == [1, 2, 3, 0, 1]
+
+
+# -------------------------------------------------- the merge, in-process ---
+def _publish(store, learner, seq, delta, fragment, base, tokens=100.):
+  store.publish_payload(learner, seq, delta, {
+      'fragment': fragment, 'base_fragment_version': base,
+      'base_version': 0, 'tokens': tokens, 'steps': 4., 'wall': 0.})
+
+
+def _delta(frags, p, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.normal(size=x.shape).astype(np.float32) for x in frags.like[p]]
+
+
+def test_the_syncer_merges_each_fragment_on_its_own(tmp_path):
+  init = _init()
+  store = store_lib.Store(tmp_path)
+  opts = syncer_lib.SyncerOptions(quorum=2, grace_cap_s=0., num_fragments=2,
+                                  max_staleness=1)
+  syncer = syncer_lib.Syncer(store, init, opts, init=init)
+  frags = syncer.frags
+  d00, d10, d01 = (_delta(frags, 0, 1), _delta(frags, 0, 2),
+                   _delta(frags, 1, 3))
+  _publish(store, 'l0', 0, d01, 1, 0)   # l0's fragment 1
+  _publish(store, 'l0', 1, d00, 0, 0)   # l0's fragment 0
+  _publish(store, 'l1', 0, d10, 0, 0, tokens=300.)  # l1's fragment 0
+  syncer.poll()
+  # fragment 0 has a quorum of 2 learners; fragment 1 only one
+  assert syncer.due(time.time()) == 0 and syncer.ready(time.time())
+  info = syncer.merge()
+  assert info['fragment'] == 0
+  assert sorted(map(tuple, info['payloads'])) == [('l0', 1), ('l1', 0)]
+  # by hand: token weights, merge_stacked, Nesterov on fragment 0's leaves
+  w = np.asarray(token_weight(np.array([100., 300.], np.float32),
+                              np.full(2, 4., np.float32)))
+  got_w = dict(zip(map(tuple, info['payloads']), info['weights']))
+  np.testing.assert_allclose([got_w[('l0', 1)], got_w[('l1', 0)]], w)
+  merged = merge_stacked([np.stack(x) for x in zip(d00, d10)], w,
+                         direct=[False] * len(d00))
+  tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  start = frags.take(init, 0)
+  upd, _ = tx.update(merged, tx.init(start), start)
+  want = optax.apply_updates(start, upd)
+  for got, ref in zip(frags.take(syncer.params, 0), want):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  for got, ref in zip(frags.take(syncer.params, 1), frags.take(init, 1)):
+    np.testing.assert_array_equal(got, ref)  # fragment 1 untouched
+  # fragment 1's outer state (its momentum) is untouched too
+  assert all(not np.any(x) for x in jax.tree.leaves(syncer.outer_state[1]))
+  assert any(np.any(x) for x in jax.tree.leaves(syncer.outer_state[0]))
+  c = syncer.counters
+  assert c['fragment_versions'] == [1, 0] and syncer.version == 1
+  # l0's fragment-0 payload (seq 1) is consumed, its older seq 0 waits
+  assert c['consumed'] == {'l0': -1, 'l1': 0}
+  assert c['consumed_above'] == {'l0': [1]}
+  assert [(p.learner, p.seq) for p in syncer.pending] == [('l0', 0)]
+
+  # a restarted syncer resumes from version 1: it reads l0's seq 0 again
+  # (not merged yet) and never seq 1 (merged)
+  store.close()
+  store = store_lib.Store(tmp_path)
+  syncer = syncer_lib.Syncer(store, init, opts)
+  assert syncer.counters['fragment_versions'] == [1, 0]
+  syncer.poll()
+  assert [(p.learner, p.seq) for p in syncer.pending] == [('l0', 0)]
+  # fragment 1's age counts merges of fragment 1 only: 0 (not stale,
+  # though fragment 0 merged since)
+  _publish(store, 'l1', 1, _delta(frags, 1, 4), 1, 0)
+  syncer.poll()
+  assert syncer.ready(time.time())
+  before = jax.tree.map(np.copy, syncer.params)
+  info = syncer.merge()
+  assert info['fragment'] == 1 and info['ages'] == [0., 0.]
+  for p, same in ((0, True), (1, False)):
+    for x, y in zip(frags.take(syncer.params, p), frags.take(before, p)):
+      assert np.array_equal(x, y) == same
+  assert syncer.counters['fragment_versions'] == [1, 1]
+  assert syncer.counters['consumed'] == {'l0': 1, 'l1': 1}
+  assert syncer.counters['consumed_above'] == {}
+  # the merged and consumed payloads are never read again
+  syncer.poll()
+  assert not syncer.pending
+  # two more merges of fragment 0 make a fragment-0 payload on its version
+  # 0 stale (max_staleness 1), dropped and counted
+  for seq in (2, 3):
+    _publish(store, 'l0', seq, _delta(frags, 0, seq), 0, seq - 1)
+    syncer.poll()
+    assert syncer.merge()['fragment'] == 0
+  _publish(store, 'l1', 2, d10, 0, 0, tokens=7.)
+  syncer.poll()
+  assert syncer.merge() is None
+  c = syncer.counters
+  assert (c['payloads_stale'], c['tokens_discarded'],
+          c['fragment_versions']) == (1, 7., [3, 1])
+  store.close()
+
+
+def test_a_syncer_refuses_a_store_of_another_num_fragments(tmp_path):
+  init = _init()
+  store = store_lib.Store(tmp_path)
+  syncer_lib.Syncer(store, init, syncer_lib.SyncerOptions(), init=init)
+  with pytest.raises(ValueError, match='num_fragments=2, but the store'):
+    syncer_lib.Syncer(store, init,
+                      syncer_lib.SyncerOptions(num_fragments=2))
+  with pytest.raises(ValueError, match='num_fragments'):
+    syncer_lib.SyncerOptions(num_fragments=0).check()
+  store.close()
