@@ -269,19 +269,60 @@ def _learners(times, learners, num_chips, num_learners, a, horizon):
           for m in range(num_learners)]
 
 
-def _dp(times, learners, num_chips, num_learners, a, horizon):
-  """Non-elastic DP: one job, stopped by every failure."""
-  del learners, num_learners
-  starts, ends = _pauses(times, np.full(times.size, a.restart_s), a.overlap)
+def _kept_runs(starts, ends, horizon, checkpoint_every_s):
+  """(kept, ran) running seconds of a job stopped over the disjoint sorted
+  pauses ``[starts, ends)`` that loses what it ran since its last
+  checkpoint at each stop."""
   ends = np.minimum(ends, horizon)
   run_starts = np.r_[0.0, ends]
   run_ends = np.r_[starts, horizon]
   runs = np.maximum(run_ends - run_starts, 0.0)
   kept = runs.copy()
   # the last run ends at the horizon, not a failure
-  if a.checkpoint_every_s > 0:
-    kept[:-1] -= np.mod(runs[:-1], a.checkpoint_every_s)
-  return num_chips * float(np.sum(kept)), float(np.sum(runs))
+  if checkpoint_every_s > 0:
+    kept[:-1] -= np.mod(runs[:-1], checkpoint_every_s)
+  return float(np.sum(kept)), float(np.sum(runs))
+
+
+def _dp(times, learners, num_chips, num_learners, a, horizon):
+  """Non-elastic DP: one job, stopped by every failure."""
+  del learners, num_learners
+  starts, ends = _pauses(times, np.full(times.size, a.restart_s), a.overlap)
+  kept, ran = _kept_runs(starts, ends, horizon, a.checkpoint_every_s)
+  return num_chips * kept, ran
+
+
+def restarts_on_trace(stops: np.ndarray, backs: np.ndarray,
+                      horizon_s: float, *, restart_s: float,
+                      checkpoint_every_s: float) -> tuple[float, float]:
+  """A non-elastic job (``'dp'``) on a given trace instead of a drawn one:
+  the job stops at each of ``stops`` (seconds), may run again once the
+  failed part is back at the matching ``backs`` and runs ``restart_s``
+  later (pauses that overlap are their union), losing what it ran since
+  its last checkpoint (one every ``checkpoint_every_s`` running seconds
+  since a restart; 0: nothing lost).
+
+  Returns:
+    ``(kept, ran)``: running seconds whose progress is kept, and all
+    running seconds, over ``[0, horizon_s]``.
+
+  Raises:
+    ValueError: ``stops`` and ``backs`` differ in size, a back precedes
+      its stop, or a time or length is negative.
+  """
+  stops, backs = np.asarray(stops, float), np.asarray(backs, float)
+  if stops.shape != backs.shape or stops.ndim != 1:
+    raise ValueError(f'stops and backs must be 1-d of one size, got '
+                     f'{stops.shape} and {backs.shape}')
+  if np.any(stops < 0) or np.any(backs < stops):
+    raise ValueError('each stop must be >= 0 and its back >= it, got '
+                     f'{list(zip(stops.tolist(), backs.tolist()))}')
+  horizon_s = _checks.positive_float(horizon_s, 'horizon_s')
+  restart_s = _checks.nonnegative_float(restart_s, 'restart_s')
+  checkpoint_every_s = _checks.nonnegative_float(checkpoint_every_s,
+                                                 'checkpoint_every_s')
+  starts, ends = _union(stops, backs + restart_s)
+  return _kept_runs(starts, ends, horizon_s, checkpoint_every_s)
 
 
 def _decoupled(times, learners, num_chips, num_learners, a, horizon):

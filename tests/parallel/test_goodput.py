@@ -223,3 +223,17 @@ def test_goodput_experiment_prints_without_a_workdir_or_matplotlib(
     assert figure.exists()
   except ImportError:
     assert f'matplotlib is not installed: figure {figure} skipped' in out
+
+
+def test_restarts_on_a_given_trace():
+  # Stops at 10 and 15, back at 20 and 18, 5 s to restart: one pause
+  # [10, 25). The run [0, 10) keeps 8 s (checkpoints every 4 s), the last
+  # run [25, 100) all of its 75.
+  kept, ran = goodput.restarts_on_trace([10., 15.], [20., 18.], 100.,
+                                        restart_s=5., checkpoint_every_s=4.)
+  assert (kept, ran) == (83., 85.)
+  assert goodput.restarts_on_trace([], [], 100., restart_s=5.,
+                                   checkpoint_every_s=4.) == (100., 100.)
+  with pytest.raises(ValueError, match='back'):
+    goodput.restarts_on_trace([10.], [5.], 100., restart_s=1.,
+                              checkpoint_every_s=0.)
