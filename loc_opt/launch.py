@@ -327,9 +327,8 @@ def initialize_processes(jax) -> None:
     return
   if mode == 'auto' and not kwargs and not cluster_detected():
     return
-  # Harmless off the CPU; on the CPU, cross-process collectives need it.
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(**kwargs)
+  from loc_opt.train import local_launch  # pylint: disable=g-import-not-at-top
+  local_launch.join(jax, **kwargs)
 
 
 def preflight(config, workdir: str, num_devices: int) -> None:

@@ -86,6 +86,15 @@ def process_flags(num_processes: int, process_id: int,
           f'--num_processes={num_processes}', f'--process_id={process_id}']
 
 
+def join(jax, **layout) -> None:
+  """Joins this process to its run: gloo for cross-process collectives on
+  the CPU (harmless elsewhere), then ``jax.distributed.initialize(**layout)``
+  (``coordinator_address``, ``num_processes``, ``process_id``; those absent
+  JAX detects)."""
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(**layout)
+
+
 # Run in each child before its command: SIGKILL when the parent dies
 # (PR_SET_PDEATHSIG = 1), unless the parent is already gone; then exec.
 _PRELUDE = """

@@ -16,8 +16,11 @@ a network protocol of our own. Layout::
                                 items ``delta`` (its pseudo-gradient, raw or
                                 as a codec's payload arrays) and ``meta``
                                 (JSON: base version, tokens, steps, bytes)
-  STORE/learners/<learner>/<n>/ the learner's own state (inner optimizer),
-                                for a restart that keeps it
+  STORE/learners/<learner>/<n>/ the learner's inner state after its payload
+                                ``n``: items ``state`` (inner optimizer state,
+                                step count) and ``meta`` (JSON: base version,
+                                step, wall clock), for a restart that keeps
+                                it or a peer that takes it
 
 **Atomic, versioned writes.** Orbax writes a step into a temporary directory
 and renames it into place when it is complete (on a local or NFS filesystem),
@@ -69,12 +72,19 @@ def check_learner_id(learner: str) -> str:
 
 def _manager(directory: epath.Path, *, write: bool, keep: int | None,
              items: tuple[str, ...]) -> ocp.CheckpointManager:
+  # One process writes a directory; no barriers between processes. In a
+  # learner of several processes (joined by jax.distributed) each process's
+  # managers are its own: Orbax's barriers would otherwise wait for every
+  # process of the job in each save and restore.
+  me = jax.process_index()
+  if write:  # Orbax will not create it with active_processes set
+    directory.mkdir(parents=True, exist_ok=True)
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=write, read_only=not write,
+      max_to_keep=keep, create=False, read_only=not write,
       enable_async_checkpointing=False,
-      # one process writes a directory; no barriers between processes
       multiprocessing_options=ocp.options.MultiprocessingOptions(
-          primary_host=None))
+          primary_host=me if jax.process_count() > 1 else None,
+          active_processes={me} if jax.process_count() > 1 else None))
   handlers = {name: (ocp.JsonCheckpointHandler() if name == 'meta'
                      else ocp.StandardCheckpointHandler()) for name in items}
   return ocp.CheckpointManager(directory, options=options,
@@ -123,14 +133,17 @@ class Store:
     root: the store's path (a directory, or ``gs://...``, ``s3://...``).
     keep_versions: how many global versions the syncer keeps.
     keep_payloads: how many payloads each learner keeps.
+    keep_states: how many inner states each learner keeps (a peer taking
+      one has ``keep_states - 1`` rounds to read it).
   """
 
   def __init__(self, root: str | epath.Path, *, keep_versions: int = 8,
-               keep_payloads: int = 32):
+               keep_payloads: int = 32, keep_states: int = 3):
     if not str(root):
       raise ValueError('store path is empty')
     self.root = epath.Path(root)
     self.keep_versions, self.keep_payloads = keep_versions, keep_payloads
+    self.keep_states = keep_states
     self._readers: dict[str, ocp.CheckpointManager] = {}
     self._writers: dict[str, ocp.CheckpointManager] = {}
 
@@ -277,24 +290,85 @@ class Store:
           yield learner, seq
 
   # ------------------------------------------------------ learner state ---
-  def save_learner_state(self, learner: str, seq: int, state: Any) -> None:
-    """The learner's own state (e.g. its inner optimizer), for a restart
-    that keeps it; two are kept."""
+  def save_learner_state(self, learner: str, seq: int, state: Any,
+                         meta: dict[str, Any] | None = None) -> None:
+    """Publishes the learner's inner state (its inner optimizer state and
+    step count) after its payload ``seq``, with ``meta`` (JSON: the base
+    version the state belongs to, its step count, the writer's clock
+    ``wall``): for a restart of the same learner (``rejoin_state='keep'``)
+    or of a peer (``'peer'``). One atomic Orbax step per round; the newest
+    ``keep_states`` are kept."""
     check_learner_id(learner)
-    mngr = self._writer(f'l/{learner}', self.root / LEARNERS / learner, 2,
-                        ('state',))
+    mngr = self._writer(f'l/{learner}', self.root / LEARNERS / learner,
+                        self.keep_states, ('state', 'meta'))
     mngr.save(seq, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_host(state))))
+        state=ocp.args.StandardSave(_host(state)),
+        meta=ocp.args.JsonSave(dict(meta or {}, learner=learner, seq=seq))))
     mngr.wait_until_finished()
 
-  def read_learner_state(self, learner: str, state_like: Any
+  def learner_state_seqs(self, learner: str) -> list[int]:
+    """The finalized inner-state numbers of ``learner``, oldest first."""
+    return _finalized(self._reader(f'l/{learner}',
+                                   self.root / LEARNERS / learner,
+                                   ('state', 'meta')))
+
+  def read_learner_state(self, learner: str, state_like: Any,
+                         seq: int | None = None
                          ) -> tuple[int, Any] | None:
-    """``(seq, state)`` of the learner's newest saved state, or None."""
-    mngr = self._reader(f'l/{learner}', self.root / LEARNERS / learner,
-                        ('state',))
-    steps = _finalized(mngr)
-    if not steps:
+    """``(seq, state)`` of the learner's inner state ``seq`` (default: its
+    newest), or None when it has none; :class:`Gone` if ``seq`` was
+    deleted."""
+    seqs = self.learner_state_seqs(learner)
+    if not seqs:
       return None
-    out = mngr.restore(steps[-1], args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(state_like))))
-    return steps[-1], _host(out['state'])
+    seq = seqs[-1] if seq is None else seq
+    mngr = self._readers[f'l/{learner}']
+    try:
+      out = mngr.restore(seq, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_abstract(state_like))))
+    except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
+      raise Gone(f'inner state {learner}/{seq}: {e}') from e
+    return seq, _host(out['state'])
+
+  def read_learner_state_meta(self, learner: str, seq: int
+                              ) -> dict[str, Any]:
+    mngr = self._reader(f'l/{learner}', self.root / LEARNERS / learner,
+                        ('state', 'meta'))
+    try:
+      return mngr.restore(seq, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))['meta']
+    except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
+      raise Gone(f'inner state {learner}/{seq}: {e}') from e
+
+  def newest_peer_state(self, learner: str, *, now: float,
+                        liveness_s: float) -> dict[str, Any] | None:
+    """The meta of the inner state to take from a peer of ``learner``, or
+    None when no live peer published one.
+
+    A peer is every other learner with a published inner state; it is live
+    if its newest one was written within ``liveness_s`` seconds of ``now``
+    (by the writer's clock ``wall``, as the syncer judges liveness). Of the
+    live peers' newest states, the one on the highest base version (the
+    least stale), then the most recent, is taken; its meta names the peer
+    (``learner``) and the state (``seq``).
+    """
+    base = self.root / LEARNERS
+    if not base.exists():
+      return None
+    best = None
+    for peer in sorted(p.name for p in base.iterdir() if p.is_dir()):
+      if peer == learner:
+        continue
+      seqs = self.learner_state_seqs(peer)
+      if not seqs:
+        continue
+      try:
+        meta = self.read_learner_state_meta(peer, seqs[-1])
+      except Gone:
+        continue  # replaced meanwhile; its next one is newer still
+      if now - meta.get('wall', float('-inf')) > liveness_s:
+        continue
+      key = (meta.get('base_version', -1), meta['wall'])
+      if best is None or key > best[0]:
+        best = key, meta
+    return None if best is None else best[1]
