@@ -57,10 +57,10 @@ class _Procs:
     self.start('syncer', 'syncer', '--quorum=2', '--liveness_s=4',
                '--max_staleness=3', '--grace_cap_s=0.2', '--poll_s=0.2')
 
-  def learner(self, name: str, index: int) -> None:
+  def learner(self, name: str, index: int, *args: str) -> None:
     self.start(name, 'learner', f'--learner={name}', f'--index={index}',
                '--num_learners=2', '--slowdown_s=0.1',
-               *(['--codec=int8'] if name == 'b' else []))
+               *(['--codec=int8'] if name == 'b' else []), *args)
 
   def kill(self, name: str) -> None:
     proc = self.procs.pop(name)
@@ -139,6 +139,13 @@ def scenario(tmp_path_factory):
     p.learner('c', 1)
     p.wait('a merge of the added learner c', lambda: any(
         l == 'c' for m in p.merges() for l, _ in m['payloads']))
+    # c dies and restarts with a peer's inner state
+    p.wait('an inner state of c', lambda: any(
+        e['event'] == 'inner' for e in p.events('c')))
+    p.kill('c')
+    p.learner('c', 1, '--rejoin_state=peer')
+    p.wait('the restarted c', lambda: any(
+        e['event'] == 'start' for e in p.events('c', 1)))
   finally:
     p.kill_all()
   return p, marks
@@ -187,6 +194,25 @@ def test_a_learner_added_mid_run_joins_from_the_newest_model(scenario):
   assert start['version'] >= marks['c_added_version']
 
 
+def test_a_learner_restarted_with_peer_takes_a_peers_inner_state(scenario):
+  p, _ = scenario
+  taken = [e for e in p.events('c', 1) if e['event'] == 'inner_state'][0]
+  assert taken['requested'] == 'peer' and taken['source'] == 'peer', taken
+  peer = taken['source_learner']
+  assert peer in ('a', 'b')
+  # the step count and the optimizer state are those the peer published
+  # with that state (its moment: a float64 checksum of every leaf)
+  published = [e for e in p.events(peer) if e['event'] == 'inner'
+               and e['seq'] == taken['source_seq']]
+  assert published, (peer, taken['source_seq'])
+  assert taken['step'] == published[-1]['step']
+  assert taken['moment'] == published[-1]['moment']
+  own = [e for e in p.events('c', 0) if e['event'] == 'inner'][-1]
+  assert (taken['step'], taken['moment']) != (own['step'], own['moment'])
+  start = [e for e in p.events('c', 1) if e['event'] == 'start'][0]
+  assert start['rejoined'] and start['step'] == taken['step']
+
+
 def test_no_payload_is_merged_twice(scenario):
   p, _ = scenario
   merged = [tuple(x) for m in p.merges() for x in m['payloads']]
@@ -218,6 +244,78 @@ def _tiny():
   c = diloco_lm.get_config('mlp')
   c.model.hidden = 16
   return c
+
+
+def test_a_learner_of_two_processes_joins_the_merges(tmp_path):
+  # A syncer, learner m as 2 local processes (jax.distributed, gloo, a free
+  # port: --local_processes) and learner s as one process.
+  p = _Procs(tmp_path)
+  try:
+    p.syncer()
+    p.learner('m', 0, '--local_processes=2')
+    p.learner('s', 1)
+    p.wait('2 merges with payloads of m and of s', lambda: sum(
+        {l for l, _ in m['payloads']} == {'m', 's'} for m in p.merges())
+        >= 2)
+  finally:
+    p.kill_all()
+  events = p.events('m')
+  starts = [e for e in events if e['event'] == 'start']
+  assert sorted(e['process'] for e in starts) == [0, 1]
+  assert all(e['processes'] == 2 for e in starts)
+  # one write per payload: process 0's, each number once, and merged
+  seqs = [e['seq'] for e in p.payloads('m')]
+  assert seqs and len(seqs) == len(set(seqs))
+  assert {e['process'] for e in p.payloads('m')} == {0}
+  merged = {s for m in p.merges() for l, s in m['payloads'] if l == 'm'}
+  assert merged and merged <= set(seqs)
+  # both processes took the same merged versions, with the same values
+  took = {i: {e['version']: e['moment'] for e in events
+              if e['event'] == 'took' and e['process'] == i} for i in (0, 1)}
+  both = set(took[0]) & set(took[1])
+  assert both and all(took[0][v] == took[1][v] for v in both), took
+
+
+def test_rejoin_with_peer_falls_back_to_own_then_fresh(tmp_path):
+  import io  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from loc_opt.train.async_learners import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  from loc_opt.train.async_learners import syncer as syncer_lib  # pylint: disable=g-import-not-at-top
+  config = _tiny()
+  config.data.seq_len, config.data.max_bytes = 32, 300_000
+  store = store_lib.Store(tmp_path)
+  init = syncer_lib.init_params(config)
+  syncer_lib.Syncer(store, init, syncer_lib.SyncerOptions(), init=init)
+
+  def start(name):
+    log = io.StringIO()
+    learner = learner_lib.Learner(config, store, name, rejoin_state='peer',
+                                  log=log)
+    line = [json.loads(l) for l in log.getvalue().splitlines()
+            if '"inner_state"' in l]
+    assert len(line) == 1
+    return learner, line[0]
+
+  fresh, line = start('x')  # no peer, no own state
+  assert (line['source'], line['step'], fresh.step) == ('fresh', 0, 0)
+  state = {'inner': jax.tree.map(lambda v: np.asarray(v) + 1,
+                                 fresh.inner_state), 'step': np.int64(12)}
+  store.save_learner_state('x', 0, state, {'base_version': 0, 'step': 12,
+                                           'wall': time.time()})
+  _, line = start('x')  # its own
+  assert (line['source'], line['source_learner'], line['step']) == (
+      'own', 'x', 12)
+  now = time.time()
+  for peer, step, base, wall in (('y', 40, 0, now), ('z', 80, 5, now - 1e3)):
+    store.save_learner_state(peer, 3, dict(state, step=np.int64(step)),
+                             {'base_version': base, 'step': step,
+                              'wall': wall})
+  got, line = start('x')  # y's: z is not live (its newest is too old)
+  assert (line['source'], line['source_learner'], line['source_seq'],
+          line['step'], got.step) == ('peer', 'y', 3, 40, 40)
+  assert store.newest_peer_state('x', now=now, liveness_s=2e3)['learner'] \
+      == 'z'  # live, it would win: on a newer base version
+  store.close()
 
 
 # ------------------------------------------------- store and wire, alone ---

@@ -2,6 +2,7 @@
 and ``... .learner`` (absl flags; ``--config`` as the trainer's)."""
 
 import dataclasses
+import sys
 
 from absl import app
 from absl import flags
@@ -58,13 +59,72 @@ def run_learner(main_fn, rejoin_states) -> None:
   rounds = flags.DEFINE_integer('max_rounds', None, 'Stop after N rounds.')
   stop = flags.DEFINE_integer('stop_at_version', None,
                               'Stop once this global version exists.')
+  frags = flags.DEFINE_integer(
+      'num_fragments', 1, 'Fragments of the model (the syncer\'s value): '
+      'one fragment published every sync_every / num_fragments steps.')
+  liveness = flags.DEFINE_float(
+      'peer_liveness_s', 60., 'With --rejoin_state=peer: a peer is live if '
+      'its newest inner state is this recent.')
+  layout = _process_flags()
   flags.mark_flag_as_required('learner')
 
   def main(argv):
     del argv
+    if layout['local_processes'].value < 1:
+      raise app.UsageError('--local_processes='
+                           f'{layout["local_processes"].value} must be >= 1')
+    if layout['local_processes'].value > 1:
+      sys.exit(_run_locally(layout['local_processes'].value))
+    _join(layout)
     main_fn(config.value, store.value, name.value, index=index.value,
-                 num_learners=num.value, codec=codec.value,
-                 rejoin_state=rejoin.value, slowdown_s=slow.value,
-                 max_rounds=rounds.value, stop_at_version=stop.value)
+            num_learners=num.value, codec=codec.value,
+            rejoin_state=rejoin.value, slowdown_s=slow.value,
+            peer_liveness_s=liveness.value, num_fragments=frags.value,
+            max_rounds=rounds.value, stop_at_version=stop.value)
 
   app.run(main)
+
+
+def _process_flags() -> dict[str, flags.FlagHolder]:
+  """A learner's process layout: the flags of ``loc-opt-train``
+  (``docs/multihost.md``)."""
+  return {
+      'local_processes': flags.DEFINE_integer(
+          'local_processes', 1, 'Run the learner as this many processes on '
+          'this machine, joined by jax.distributed on a free localhost port '
+          '(loc_opt.train.local_launch); the CPU only.'),
+      'coordinator_address': flags.DEFINE_string(
+          'coordinator_address', None,
+          'host:port of the learner\'s process 0 (jax.distributed).'),
+      'num_processes': flags.DEFINE_integer(
+          'num_processes', None, 'Processes of this learner.'),
+      'process_id': flags.DEFINE_integer(
+          'process_id', None, 'This process: 0 .. num_processes - 1.'),
+      'distributed': flags.DEFINE_bool(
+          'distributed', False, 'Join with jax.distributed.initialize() '
+          'without the layout flags (JAX detects TPU VM, SLURM, Open MPI).'),
+  }
+
+
+def _run_locally(num_processes: int) -> int:
+  """This command as ``num_processes`` local processes of one learner."""
+  from loc_opt.train import local_launch  # pylint: disable=g-import-not-at-top
+  given = [f'--{k}' for k in ('coordinator_address', 'num_processes',
+                              'process_id') if flags.FLAGS[k].present]
+  if given:
+    raise app.UsageError('--local_processes sets the layout itself; drop '
+                         + ', '.join(given))
+  return local_launch.run(
+      [sys.executable, '-m', 'loc_opt.train.async_learners.learner',
+       *sys.argv[1:], '--local_processes=1'], num_processes)
+
+
+def _join(layout: dict[str, flags.FlagHolder]) -> None:
+  """``jax.distributed.initialize`` when the layout asks for it."""
+  kwargs = {k: layout[k].value for k in ('coordinator_address',
+                                         'num_processes', 'process_id')
+            if layout[k].value is not None}
+  if kwargs or layout['distributed'].value:
+    import jax  # pylint: disable=g-import-not-at-top
+    from loc_opt.train import local_launch  # pylint: disable=g-import-not-at-top
+    local_launch.join(jax, **kwargs)
