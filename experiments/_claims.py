@@ -165,6 +165,26 @@ def local_search(axes, losses):
   return wanted
 
 
+def method_inner(pairs, config_lr: float) -> dict[tuple[str | None, str],
+                                          float | None]:
+  """``--method_inner_lrs`` as ``{(size or None: every size, method):
+  inner lr or None (the config's, ``config_lr``)}``; a size-less pair
+  holds at every size."""
+  out = {}
+  for pair in pairs:
+    key, _, value = pair.partition('=')
+    size, _, method = key.rpartition(':')
+    if (method not in METHODS or method == 'dp' or not value
+        or (size and size not in SIZES)):
+      raise ValueError(f'{pair!r} is not [SIZE:]DILOCO_METHOD=LR with a '
+                       f'size of {list(SIZES)} and a method of '
+                       f'{[m for m in METHODS if m != "dp"]}')
+    lr = float(value)
+    out[(size or None, method)] = (None if lr == config_lr
+                                   else lr)
+  return out
+
+
 def claims_best(rows, size: str, method: str):
   """The setting of ``method`` at ``size`` with the lowest seed-0 final eval
   loss (None before any run)."""
@@ -196,13 +216,19 @@ def _search_text(s) -> str:
   if s.get('search') != 'local':
     return ''
   inner = s['knobs'].get('method_inner', {})
+  by_size = s['knobs'].get('method_inner_by_size', {})
   momenta = s['knobs'].get('outer_momenta')
-  return ('Local search: from the best setting of the 600-step grid, the '
-          'grid neighbours of each best setting until it is a local minimum '
+  inner_text = (''.join(f'; {m} inner lr {v:g}' for m, v in inner.items())
+                if not by_size else ''.join(
+                    f'; at {size}: ' + ', '.join(f'{m} inner lr {v:g}'
+                                                 for m, v in got.items())
+                    for size, got in by_size.items()))
+  return ('Local search: from the best setting of the 600-step grid (at a '
+          'new size: from the first value of each knob), the grid '
+          'neighbours of each best setting until it is a local minimum '
           '(not every cell)'
           + (f'; outer momentum over {momenta}' if momenta else '')
-          + ''.join(f'; {m} inner lr {v:g}' for m, v in inner.items())
-          + '. ')
+          + inner_text + '. ')
 
 
 def _mean_spread(losses: list[float]) -> str:
@@ -220,7 +246,10 @@ def claims_main(data: dict[str, Any]) -> str:
   s, rows = res['setup'], res['rows']
   methods = s['methods']
   gaps = [m for m in methods if m != 'dp']  # DiLoCo M=1, M=2, M=4
-  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+  steps = {size: _size_steps(rows, size, s) for size in s['sizes']}
+  one = len(set(steps.values())) == 1
+  lines = [(f'{s["num_steps"]} steps' if one else 'The steps column\'s steps')
+           + f' x {s["batch_size"]} x {s["seq_len"]} '
            f'tokens per run; DiLoCo H = {s["sync_every"]}, outer Nesterov '
            f'momentum {s["outer_momentum"]:g}; tuned: data-parallel inner lr '
            f'over {s["knobs"]["dp"]}, DiLoCo outer lr over '
@@ -230,9 +259,10 @@ def claims_main(data: dict[str, Any]) -> str:
            + _search_text(s) + 'Final eval loss of '
            'each method\'s best setting (tuned values in brackets), mean ± '
            'half the range over seeds.', '',
-           '| size (params) | ' + ' | '.join(methods.values()) + ' | '
+           '| size (params) | steps (tokens / param) | '
+           + ' | '.join(methods.values()) + ' | '
            + ''.join(f'{methods[m][7:]} vs DP | ' for m in gaps)
-           + 'devices |', '|---|' + '---|' * (len(methods) + len(gaps) + 1)]
+           + 'devices |', '|---|' + '---|' * (len(methods) + len(gaps) + 2)]
   for size in s['sizes']:
     params = [r['num_params'] for r in rows if r['size'] == size]
     if not params:
@@ -251,13 +281,21 @@ def claims_main(data: dict[str, Any]) -> str:
       cells.append(f'{100 * (means[m] / means["dp"] - 1):+.2f}%'
                    if m in means and 'dp' in means else '')
     cells.append(_devices([r for r in rows if r['size'] == size]))
-    lines.append(f'| {size} ({params[0]:,}) | ' + ' | '.join(cells) + ' |')
+    per_param = steps[size] * s['batch_size'] * s['seq_len'] / params[0]
+    lines.append(f'| {size} ({params[0]:,}) | {steps[size]:,} '
+                 f'({per_param:.1f}) | ' + ' | '.join(cells) + ' |')
   if res.get('pending'):
     lines += ['', f'Not run yet: {_pending_summary(res["pending"])}.']
   compute = compute_line(data.get('runs', []))
   if compute:
     lines += ['', compute]
   return '\n'.join(lines) + '\n'
+
+
+def _size_steps(rows, size: str, setup) -> int:
+  """The steps of the runs at ``size`` (the setup's where none ran)."""
+  got = [r['steps'] for r in rows if r['size'] == size and r.get('steps')]
+  return max(got) if got else setup['num_steps']
 
 
 def compute_line(runs) -> str:
@@ -304,7 +342,7 @@ def claims_figure(data: dict[str, Any], path) -> None:
       ax.plot([int(k) * tokens / 1e6 for k in steps],
               [row['curve'][k] for k in steps], marker='o', markersize=3,
               label=f'{label} [{_setting_text(best)}]')
-    ax.set_title(f'{size}, {s["num_steps"]} steps')
+    ax.set_title(f'{size}, {_size_steps(rows, size, s)} steps')
     ax.set_xlabel('training tokens (M)')
     ax.set_ylabel('eval loss')
     ax.grid(True, alpha=0.3)

@@ -86,9 +86,9 @@ _MOMENTA = flags.DEFINE_list(
     'outer_momenta', [], 'DiLoCo outer momenta (each with every outer lr); '
     'empty: the config\'s only.')
 _METHOD_INNER = flags.DEFINE_list(
-    'method_inner_lrs', [], 'METHOD=LR pairs: with --search=local, the one '
-    'inner lr of that DiLoCo method (default: the first of '
-    '--diloco_inner_lrs).')
+    'method_inner_lrs', [], 'METHOD=LR or SIZE:METHOD=LR pairs: with '
+    '--search=local, the one inner lr of that DiLoCo method (at that size; '
+    'default: the first of --diloco_inner_lrs).')
 _SEARCH = flags.DEFINE_enum(
     'search', 'grid', ['grid', 'local'], 'grid: every setting, then the '
     'seeds; local: the neighbours of the best setting until it is a local '
@@ -249,7 +249,8 @@ def main(argv):
   seeds = [int(s) for s in _SEEDS.value]
   try:
     imported = _claims.import_rows(_IMPORT.value)
-    method_inner = _method_inner(_METHOD_INNER.value, base)
+    method_inner = _claims.method_inner(_METHOD_INNER.value,
+                                        base.optimizer.learning_rate)
   except ValueError as e:
     raise app.UsageError(f'--import_results / --method_inner_lrs: {e}') from e
   study = _Study(base, _SIZES.value, knobs, imported, methods)
@@ -261,7 +262,9 @@ def main(argv):
             for k in knobs[m]]
 
   if _SEARCH.value == 'local':
-    inner_of = {m: method_inner.get(m, inners[0]) for m in methods}
+    def inner_of(size, m):
+      return method_inner.get((size, m), method_inner.get((None, m),
+                                                          inners[0]))
     _local(study, methods, knobs, momenta, inner_of, seeds, base)
     return
 
@@ -298,20 +301,6 @@ def main(argv):
   if not extra:
     study.write(pending([]))
 
-def _method_inner(pairs, base) -> dict[str, float | None]:
-  """``--method_inner_lrs`` as ``{method: inner lr or None (the
-  config's)}``."""
-  out = {}
-  for pair in pairs:
-    method, _, value = pair.partition('=')
-    if method not in METHODS or method == 'dp' or not value:
-      raise ValueError(f'{pair!r} is not DILOCO_METHOD=LR with a method of '
-                       f'{[m for m in METHODS if m != "dp"]}')
-    lr = float(value)
-    out[method] = None if lr == base.optimizer.learning_rate else lr
-  return out
-
-
 def _local(study, methods, knobs, momenta, inner_of, seeds, base):
   """``--search=local``: each method's grid neighbours of its best setting
   until the best is a local minimum (methods taking turns), then each best
@@ -319,8 +308,13 @@ def _local(study, methods, knobs, momenta, inner_of, seeds, base):
   sizes = _SIZES.value
   default_momentum = base.outer.momentum
   study.knobs['method_inner'] = {
-      m: base.optimizer.learning_rate if inner_of[m] is None else inner_of[m]
-      for m in methods if m != 'dp'}
+      m: base.optimizer.learning_rate if inner_of(sizes[0], m) is None
+      else inner_of(sizes[0], m) for m in methods if m != 'dp'}
+  if len(sizes) > 1:
+    study.knobs['method_inner_by_size'] = {
+        size: {m: (base.optimizer.learning_rate if inner_of(size, m) is None
+                   else inner_of(size, m)) for m in methods if m != 'dp'}
+        for size in sizes}
 
   def axes(m):  # DiLoCo: (outer momentum, outer lr), momentum tried first
     if m == 'dp':
@@ -332,7 +326,7 @@ def _local(study, methods, knobs, momenta, inner_of, seeds, base):
     if m == 'dp':
       return (size, m, point[0], seed, None)
     mo = None if point[0] == default_momentum else point[0]
-    return (size, m, point[1], seed, inner_of[m], mo)
+    return (size, m, point[1], seed, inner_of(size, m), mo)
 
   def losses(size, m):
     out = {}
@@ -341,7 +335,7 @@ def _local(study, methods, knobs, momenta, inner_of, seeds, base):
         continue
       if m == 'dp':
         out[(r['knob'],)] = r['final_eval_loss']
-      elif r.get('inner_lr') == inner_of[m]:
+      elif r.get('inner_lr') == inner_of(size, m):
         mo = r.get('outer_momentum')
         out[(default_momentum if mo is None else mo, r['knob'])] = (
             r['final_eval_loss'])

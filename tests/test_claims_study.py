@@ -237,3 +237,30 @@ def test_claims_table_gaps_of_m2_and_outer_momentum_settings():
   assert '| M=2 vs DP |' in text and '+4.00%' in text
   assert '[0.7, momentum 0.5]' in text and 'Local search' in text
   assert 'DiLoCo M=2: seed 1 of the best setting' in text
+
+
+def test_claims_table_gives_each_size_its_steps_and_tokens_per_param():
+  rows = [dict(_row('0.2M', 'dp', 1.2e-2, 0, 1.38, 'cpu'), steps=1000,
+               num_params=200_000),
+          dict(_row('0.5M', 'dp', 6e-3, 0, 1.25, 'cpu'), steps=2400,
+               num_params=400_000)]
+  setup = {'num_steps': 2400, 'batch_size': 32, 'seq_len': 128,
+           'sync_every': 30, 'outer_momentum': 0.9,
+           'inner_learning_rate': 3e-3,
+           'knobs': {'dp': [6e-3], 'diloco_m1': [0.4]},
+           'sizes': {'0.2M': {}, '0.5M': {}}, 'methods': {'dp': 'dp'}}
+  text = _claims.claims_main({'results': {'setup': setup, 'rows': rows}})
+  assert text.startswith('The steps column\'s steps x 32 x 128')
+  assert '| 0.2M (200,000) | 1,000 (20.5) | 1.3800 (1 seed)' in text
+  assert '| 0.5M (400,000) | 2,400 (24.6) | 1.2500 (1 seed)' in text
+
+
+def test_method_inner_lrs_hold_per_size_or_everywhere():
+  got = _claims.method_inner(
+      ['diloco_m1=6e-3', '0.2M:diloco_m1=1.2e-2', '0.2M:diloco_m4=3e-3'],
+      config_lr=3e-3)
+  assert got == {(None, 'diloco_m1'): 6e-3, ('0.2M', 'diloco_m1'): 1.2e-2,
+                 ('0.2M', 'diloco_m4'): None}  # None: the config's lr
+  for bad in ('dp=1e-3', '3M:diloco_m1=1e-3', 'diloco_m1='):
+    with pytest.raises(ValueError, match='SIZE'):
+      _claims.method_inner([bad], config_lr=3e-3)
