@@ -80,7 +80,8 @@ def sentence(data: dict[str, Any]) -> str:
                    f'{w["reduction"]:,.0f}x ({w["label"]}, '
                    f'{w["final_eval_loss"]:.4f})')
   s = res['setup']
-  text = (f'At {s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
+  size = f'the {s["size"]} LM, ' if 'size' in s else ''
+  text = (f'At {size}{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
           f'bytes (M = {s["workers"]}), ' + '; '.join(parts) + '.')
   if res['pending']:
     text += (f' ({len(res["pending"])} runs of the study are not done; '

@@ -40,6 +40,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import _claims
 from experiments import _frontier_tables
 from experiments import _runs
 from experiments._frontier_runs import config_of
@@ -52,6 +53,10 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _RUNS = flags.DEFINE_list('runs', None, 'Subset of the runs (default: all).')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 2400, 'Steps of every run.')
+_SIZE = flags.DEFINE_enum(
+    'size', '0.5M', list(_claims.SIZES), 'The LM size (the claims study\'s '
+    'sizes; 2,400 steps at 0.5M and 1,000 at 0.2M are about 21 tokens per '
+    'parameter).')
 _TUNE = flags.DEFINE_bool('tune', False, 'Also run every run\'s other knob '
                           'values (its best counts).')
 _DP_LR = flags.DEFINE_float(
@@ -73,6 +78,8 @@ def main(argv):
   names = _runs.chosen(_RUNS.value, RUNS)
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
+  for field, value in _claims.SIZES[_SIZE.value].items():
+    base.model[field] = value
   todo = points(names, _TUNE.value)
   rows = []
 
@@ -82,7 +89,7 @@ def main(argv):
   def write():
     left = [run_dir_name(n, v) for n, v in todo
             if run_dir_name(n, v) not in {r['name'] for r in rows}]
-    setup = {'num_steps': _NUM_STEPS.value, 'batch_size': base.batch_size,
+    setup = {'size': _SIZE.value, 'num_steps': _NUM_STEPS.value, 'batch_size': base.batch_size,
              'seq_len': base.data.seq_len, 'workers': 4,
              'dp_lr': _DP_LR.value, 'inner_lr': _INNER_LR.value,
              'outer_momentum': base.outer.momentum, 'tune': _TUNE.value}
