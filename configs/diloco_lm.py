@@ -102,7 +102,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # in depth); False keeps layer_0 ... layer_{L-1}, which Streaming DiLoCo's
   # fragments need.
   c.model.scan_layers = False
-  # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch'.
+  # Rematerialization of each block: 'none', 'full', 'dots', 'dots_no_batch',
+  # 'full_tp' ('full' keeping the attention output: no all-reduce recomputed
+  # on a tensor mesh).
   c.model.remat = 'none'
   # Gradients that contract over the tokens (dense and embedding weights,
   # float32 attention keys and values): 'auto' (the narrow-transpose custom

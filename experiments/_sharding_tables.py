@@ -54,27 +54,34 @@ def scale_sync_main(data: dict[str, Any]) -> str:
   """The sync step beside the inner step of the same config and mesh:
   temporary memory per device against the inner step's (target at most
   1.25x), within-worker bytes against ideal (target at most 1.2x),
-  cross-worker bytes against the fp32 parameters."""
+  cross-worker bytes against the fp32 parameters. Ideal counts the
+  activation all-reduces at the width the backend reduces in (float32 on
+  XLA:CPU); a second ratio counts them at the activations' own width
+  (bfloat16, as GPUs and TPUs reduce them)."""
   rows = data['results']['rows']
   inner = {(r['code'], r['mesh']): r for r in rows if r['step'] == 'inner'}
   lines = [
-      'Compile only, 8 virtual CPU devices; scanned blocks, remat `full`; '
-      'targets: sync temp at most 1.25x the inner step\'s, within-worker '
-      'bytes at most 1.2x ideal.', '',
+      'Compile only, 8 virtual CPU devices; scanned blocks, remat `full` '
+      '(`full_tp` where the size says so); targets: sync temp at most 1.25x '
+      'the inner step\'s, within-worker bytes at most 1.2x ideal. Ideal '
+      'counts the Megatron all-reduces in float32, as XLA:CPU runs them; '
+      '"bf16" counts them in bfloat16, as GPUs and TPUs do.', '',
       '| size | params | mesh (w x d x f x t) | step | arg MiB/dev '
       '| temp MiB/dev | temp vs inner | within-worker MiB | vs ideal '
-      '| cross-worker MiB/worker | vs fp32 params |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+      '| vs ideal, bf16 | cross-worker MiB/worker | vs fp32 params |',
+      '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     within, cross = (r['within_worker_bytes'],
                      r['cross_worker_bytes_per_worker'])
     base = inner.get((r['code'], r['mesh']))
     vs_inner = _ratio(r['temp_bytes'], base['temp_bytes']) if base else '-'
+    act = r.get('ideal_act_width_within_worker_bytes')
     lines.append(
         f"| {r['code']} | {r['params'] / 1e6:,.1f}M | {r['mesh']} "
         f"| {r['step']} | {_mib(r['argument_bytes'])} "
         f"| {_mib(r['temp_bytes'])} | {vs_inner} "
         f"| {_mib(within)} | {_ratio(within, r['ideal_within_worker_bytes'])} "
+        f"| {_ratio(within, act) if act else '-'} "
         f"| {_mib(cross)} | {_ratio(cross, r['param_bytes'])} |")
   return '\n'.join(lines) + '\n'
 

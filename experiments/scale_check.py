@@ -40,7 +40,9 @@ HEADER = ('| mesh (w x d x f x t) | step | params | arg MiB/dev | temp MiB/dev '
           '| vs fp32 params | compile s |')
 
 
-def _layout(config, num_params):
+def _layout(config, num_params, backend: str | None = None):
+  """The worker's ideal layout; its activation all-reduces at the width
+  ``backend`` reduces in (``None``: at the activations' own width)."""
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
   m, model = config.mesh, config.model
   act_bytes = 2 if str(model.dtype) == 'bfloat16' else 4
@@ -48,10 +50,13 @@ def _layout(config, num_params):
       data=m.data, fsdp=m.fsdp, tensor=m.tensor,
       param_bytes=4 * num_params, rows=config.batch_size // m.workers,
       length=config.data.seq_len, d_model=model.d_model,
-      num_layers=model.num_layers, act_bytes=act_bytes)
+      num_layers=model.num_layers, act_bytes=act_bytes,
+      reduce_bytes=(parallel.ideal.reduce_width(act_bytes, backend)
+                    if backend else None))
 
 
 def _row(config, exp, phase, label) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
   from loc_opt import parallel  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   compiled = exp.programs.steps[phase]
@@ -61,8 +66,10 @@ def _row(config, exp, phase, label) -> dict:
   within = parallel.ideal.unrolled_bytes(report, cross_worker=False)
   cross = parallel.ideal.unrolled_bytes(report, cross_worker=True)
   workers = config.mesh.workers
-  layout = _layout(config, exp.model.num_params)
-  ideal = workers * parallel.ideal.inner_step_bytes(layout)
+  ideal, ideal_act = (
+      workers * parallel.ideal.inner_step_bytes(
+          _layout(config, exp.model.num_params, backend))
+      for backend in (jax.default_backend(), None))
   m = config.mesh
   return {
       'mesh': f'{m.workers}x{m.data}x{m.fsdp}x{m.tensor}',
@@ -71,6 +78,9 @@ def _row(config, exp, phase, label) -> dict:
       'temp_bytes': memory.temp_size_in_bytes,
       'within_worker_bytes': within,
       'ideal_within_worker_bytes': ideal,
+      # Activation all-reduces at the activations' width (bfloat16 on GPUs
+      # and TPUs), where ideal has them at this backend's.
+      'ideal_act_width_within_worker_bytes': ideal_act,
       'cross_worker_bytes_per_worker': cross / workers,
       'param_bytes': 4 * exp.model.num_params,
       'compile_seconds': seconds,
@@ -95,6 +105,7 @@ def _markdown(row: dict) -> str:
 # step too).
 _SCAN_REMAT = {'model.scan_layers': True, 'model.remat': 'full'}
 _TENSOR = {'mesh.fsdp': 2, 'mesh.tensor': 2}
+_FULL_TP = {'model.remat': 'full_tp'}
 PRESETS = {
     'scale_1b': (
         ('unrolled', '1b', {}, True),
@@ -109,12 +120,17 @@ PRESETS = {
     ),
     # The sync step beside the inner step (issue 46's targets: temporary
     # memory at most 1.25x the inner step's, within-worker bytes at most
-    # 1.2x ideal), ~1B and ~8B, on both meshes; scanned, full remat.
+    # 1.2x ideal), ~1B and ~8B, on both meshes; scanned, full remat, and
+    # on the tensor mesh also remat 'full_tp' (no all-reduce recomputed).
     'scale_sync': (
         ('~1B', '1b', _SCAN_REMAT, True),
         ('~1B', '1b', {**_SCAN_REMAT, **_TENSOR}, True),
+        ('~1B, `full_tp`', '1b', {**_SCAN_REMAT, **_TENSOR, **_FULL_TP},
+         True),
         ('~8B', '8b', _SCAN_REMAT, True),
         ('~8B', '8b', {**_SCAN_REMAT, **_TENSOR}, True),
+        ('~8B, `full_tp`', '8b', {**_SCAN_REMAT, **_TENSOR, **_FULL_TP},
+         True),
     ),
 }
 

@@ -201,3 +201,14 @@ def constrain(x: jax.Array, logical: Sequence[str | None],
   spec = logical_to_spec(logical, rules, sizes)
   spec = P(*(_divisible(e, d, sizes) for e, d in zip(spec, x.shape)))
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def is_split(logical: str, dim: int, rules: Rules) -> bool:
+  """Whether a dimension of size ``dim`` named ``logical`` is split over a
+  mesh axis of the mesh in context (what :func:`constrain` would do); False
+  with no mesh."""
+  sizes = _free_axes()
+  if not sizes:
+    return False
+  entry = logical_to_spec((logical,), rules, sizes)[0]
+  return _divisible(entry, dim, sizes) is not None

@@ -60,6 +60,7 @@ from typing import Any
 
 from flax import nnx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from loc_opt.models import core
@@ -84,6 +85,10 @@ REMAT = {
     'dots': jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
     'dots_no_batch':  # keep weight matmul outputs, recompute attention
         jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # 'full', but keep each block's attention output, which a tensor-split
+    # mesh all-reduces: the recompute then moves no activation all-reduce.
+    'full_tp': jax.checkpoint_policies.save_only_these_names(
+        'attention_output'),
 }
 
 
@@ -127,7 +132,10 @@ class TransformerConfig:
       unstacked layout (they split the parameters by block leaf).
     remat: what a block keeps for the backward pass (:data:`REMAT`):
       ``'none'``, ``'full'`` (recompute the block from its input),
-      ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``).
+      ``'dots'`` or ``'dots_no_batch'`` (``jax.checkpoint_policies``), or
+      ``'full_tp'``: ``'full'`` but keeping each block's attention output
+      (one residual-stream activation per block), so that on a mesh with
+      ``tensor`` the recompute repeats no all-reduce of the activations.
     weight_grad: how the gradients that contract over the tokens are
       computed (``loc_opt.models.weight_grad``): those of the dense layers'
       and the embedding's weights, and with ``attention='einsum'`` and
@@ -305,7 +313,11 @@ class Attention(nnx.Module):
       y = y.reshape(b, t, config.num_heads, config.head_dim)
       return config.constrain(y, 'batch', 'length', 'heads', 'kv')
 
-    q, k, v = (heads(f(x)) for f in (self.query, self.key, self.value))
+    projections = (self.query, self.key, self.value)
+    if sharding.is_split('heads', config.num_heads, config.axis_rules):
+      q, k, v = map(heads, _one_product(config, x, projections))
+    else:
+      q, k, v = (heads(f(x)) for f in projections)
     weight_grad = _weight_grad.resolve(config.weight_grad)
     with jax.named_scope('attention_core'):
       if (config.attention == 'einsum' and weight_grad == 'narrow'
@@ -315,7 +327,21 @@ class Attention(nnx.Module):
       else:
         y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
                    config.attention, weight_grad)
-    return self.out(heads(y).reshape(b, t, config.d_model))
+    y = self.out(heads(y).reshape(b, t, config.d_model))
+    return checkpoint_name(y, 'attention_output')
+
+
+def _one_product(config: TransformerConfig, x: jax.Array,
+                 layers: tuple[nnx.Linear, ...]) -> tuple[jax.Array, ...]:
+  """``layer(x)`` for each of ``layers`` from one product with their
+  stacked kernels, used when the heads are split over a mesh axis: the
+  backward pass then sums the input's gradient over the three kernels
+  before Megatron's all-reduce (one per block, not one per projection;
+  XLA:CPU reduces each product's partial sums apart otherwise)."""
+  kernel = jnp.stack([l.kernel[...] for l in layers], axis=1)
+  y = jnp.einsum('btd,dkh->btkh', x.astype(config.dtype),
+                 kernel.astype(config.dtype))
+  return tuple(y[:, :, i] for i in range(len(layers)))
 
 
 class MLP(nnx.Module):

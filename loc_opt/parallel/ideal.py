@@ -23,6 +23,13 @@ FSDP + Megatron step over ``P`` parameter bytes moves
 Small reductions (the loss, norms, finiteness checks) are left out; they are
 a few bytes per row.
 
+The activation all-reduces count at the width the backend reduces in
+(:attr:`WorkerLayout.reduce_bytes`): XLA:CPU reduces 16-bit floats in float32
+(its ``all-reduce-promotion`` pass, then ``float-normalization-bf16``, turn
+a bfloat16 all-reduce into a float32 one: :func:`reduce_width`), so on 8
+virtual CPU devices a bfloat16 model's Megatron all-reduces move twice the
+bytes that they move on GPUs and TPUs, which reduce bfloat16 natively.
+
 References:
   Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion
   Parameter Models, 2020.
@@ -48,6 +55,8 @@ class WorkerLayout(NamedTuple):
     d_model: width of the residual stream.
     num_layers: Transformer blocks.
     act_bytes: bytes per activation element (2 for bfloat16).
+    reduce_bytes: bytes per element of the activation all-reduces as the
+      backend runs them (``None``: ``act_bytes``; :func:`reduce_width`).
   """
 
   data: int
@@ -59,6 +68,7 @@ class WorkerLayout(NamedTuple):
   d_model: int = 0
   num_layers: int = 0
   act_bytes: int = 4
+  reduce_bytes: int | None = None
 
   @property
   def devices(self) -> int:
@@ -79,8 +89,17 @@ def tensor_bytes(layout: WorkerLayout) -> int:
   if layout.tensor == 1:
     return 0
   rows = layout.rows // (layout.data * layout.fsdp)
-  activation = rows * layout.length * layout.d_model * layout.act_bytes
+  width = layout.reduce_bytes or layout.act_bytes
+  activation = rows * layout.length * layout.d_model * width
   return (4 * layout.num_layers + 2) * activation * layout.devices
+
+
+def reduce_width(act_bytes: int, backend: str) -> int:
+  """Bytes per element of an all-reduce of ``act_bytes``-wide floats on
+  ``backend`` (``jax.default_backend()``): 4 for 16-bit floats on ``'cpu'``
+  (XLA:CPU promotes them to float32; ``tests/parallel/test_ideal.py``
+  checks it on the installed jaxlib), else ``act_bytes``."""
+  return 4 if backend == 'cpu' and act_bytes == 2 else act_bytes
 
 
 def inner_step_bytes(layout: WorkerLayout) -> int:
