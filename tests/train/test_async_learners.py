@@ -1,14 +1,16 @@
 """Asynchronous learners and a syncer as separate processes, exchanging
 through an Orbax store in a temporary directory.
 
-One scenario (a module fixture; 6 process starts of a tiny :mlp model)
+One scenario (a module fixture; 7 process starts of a tiny :mlp model)
 is run once: a syncer (quorum 2) and learners ``a`` and ``b`` start; ``b`` is
 killed with SIGKILL and the merges go on with ``a`` alone; ``b`` restarts
 and rejoins from the newest merged model; the syncer is killed with SIGKILL
 while the learners keep publishing, restarts, resumes from its checkpoint
 (the newest global version) and merges what they published meanwhile. The
 tests below each check one part of it from the processes' JSON-lines logs
-and from the store. Last, a learner ``c`` is added mid-run and joins.
+and from the store. Last, a learner ``c`` is added mid-run and joins, is
+killed and restarts with ``--rejoin_state=peer``. A second run has a
+learner of 2 processes (``--local_processes=2``).
 """
 
 import json
