@@ -2,6 +2,12 @@
 the split and schedule (:class:`wire.Fragments`), the syncer's merge per
 fragment in-process, and a syncer with two learners as real processes."""
 
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -173,3 +179,139 @@ def test_a_syncer_refuses_a_store_of_another_num_fragments(tmp_path):
   with pytest.raises(ValueError, match='num_fragments'):
     syncer_lib.SyncerOptions(num_fragments=0).check()
   store.close()
+
+
+# ------------------------------------------- a syncer and two learners ---
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = [f'--config={ROOT / "configs" / "diloco_lm.py"}:mlp',
+          '--config.model.hidden=16', '--config.data.seq_len=32',
+          '--config.data.max_bytes=300000', '--config.batch_size=8',
+          '--config.outer.sync_every=4', '--config.num_steps=100000']
+VERSIONS = 6  # the syncer stops there; the store keeps every version
+
+
+def _start(tmp, name, module, *args):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT),
+             XLA_FLAGS='')
+  log = tmp / f'{name}.log'
+  with open(log, 'w') as out:
+    proc = subprocess.Popen(
+        [sys.executable, '-m', f'loc_opt.train.async_learners.{module}',
+         *CONFIG, f'--store={tmp / "store"}', *args], cwd=ROOT, env=env,
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+  return proc, log
+
+
+def _events(log, event):
+  out = []
+  for line in log.read_text().splitlines():
+    if line.startswith('{'):
+      e = json.loads(line)
+      if e['event'] == event:
+        out.append(e)
+  return out
+
+
+@pytest.fixture(scope='module')
+def two_fragments(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('async_fragments')
+  procs = {'syncer': _start(
+      tmp, 'syncer', 'syncer', '--num_fragments=2', '--quorum=2',
+      '--grace_cap_s=0.2', '--poll_s=0.2', f'--max_versions={VERSIONS}')}
+  for i, name in enumerate('ab'):
+    procs[name] = _start(tmp, name, 'learner', f'--learner={name}',
+                         f'--index={i}', '--num_learners=2',
+                         '--num_fragments=2', '--slowdown_s=0.1',
+                         f'--stop_at_version={VERSIONS}')
+  # a learner with another num_fragments refuses to start
+  other = _start(tmp, 'other', 'learner', '--learner=other',
+                 '--num_fragments=1')
+  try:
+    for name, (proc, log) in procs.items():
+      assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    refused = other[0].wait(timeout=120), other[1].read_text()
+  finally:
+    procs['other'] = other
+    for proc, _ in procs.values():
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+  return tmp, {n: log for n, (_, log) in procs.items()}, refused
+
+
+def _tiny_params():
+  from configs import diloco_lm  # pylint: disable=g-import-not-at-top
+  c = diloco_lm.get_config('mlp')
+  c.model.hidden = 16
+  return syncer_lib.init_params(c)
+
+
+def test_payloads_carry_one_fragment_and_its_bytes(two_fragments):
+  tmp, logs, _ = two_fragments
+  params = _tiny_params()
+  frags = wire.Fragments(params, 2)
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  full = 4 * sum(sizes)
+  store = store_lib.Store(tmp / 'store')
+  for name in 'ab':
+    payloads = _events(logs[name], 'payload')
+    assert len(payloads) >= 4
+    # fragment 1 after steps 2, 6, ...; fragment 0 after steps 4, 8, ...
+    assert [e['fragment'] for e in payloads] == [
+        (e['inner_steps'] // 2) % 2 for e in payloads]
+    assert {e['fragment'] for e in payloads} == {0, 1}
+    for e in payloads:
+      want = 4 * sum(sizes[i] for i in frags.leaves[e['fragment']])
+      assert e['bytes'] == want and 0.4 < e['bytes'] / full < 0.6
+      assert e['steps'] in (2, 4)  # fragment 1's first covers H / P steps
+    e = payloads[-1]
+    stored = store.read_payload(name, e['seq']).delta
+    assert [np.shape(x) for x in jax.tree.leaves(stored)] == [
+        x.shape for x in frags.like[e['fragment']]]
+  store.close()
+
+
+def test_both_fragments_merge_and_no_payload_twice(two_fragments):
+  _, logs, _ = two_fragments
+  merges = _events(logs['syncer'], 'merge')
+  assert [m['version'] for m in merges] == list(range(1, VERSIONS + 1))
+  assert {m['fragment'] for m in merges} == {0, 1}
+  merged = [tuple(x) for m in merges for x in m['payloads']]
+  assert len(merged) == len(set(merged))
+  # every payload merged holds the merge's fragment
+  fragment_of = {(n, e['seq']): e['fragment'] for n in 'ab'
+                 for e in _events(logs[n], 'payload')}
+  for m in merges:
+    assert {fragment_of[tuple(x)] for x in m['payloads']} == {m['fragment']}
+
+
+def test_a_fragment_changes_only_at_its_merges(two_fragments):
+  tmp, logs, _ = two_fragments
+  params = _tiny_params()
+  frags = wire.Fragments(params, 2)
+  store = store_lib.Store(tmp / 'store')
+  assert store.versions() == list(range(VERSIONS + 1))
+  merges = {m['version']: m['fragment']
+            for m in _events(logs['syncer'], 'merge')}
+  previous = jax.tree.leaves(store.read_global(0, params)[0])
+  for v in range(1, VERSIONS + 1):
+    now, _, meta = store.read_global(v, params)
+    now = jax.tree.leaves(now)
+    for p in range(2):
+      changed = [not np.array_equal(now[i], previous[i])
+                 for i in frags.leaves[p]]
+      assert any(changed) if p == merges[v] else not any(changed), (v, p)
+    previous = now
+  assert meta['num_fragments'] == 2
+  assert meta['fragment_versions'] == [
+      sum(f == p for f in merges.values()) for p in range(2)]
+  # the learners took merged fragments as they appeared
+  took = [e for n in 'ab' for e in _events(logs[n], 'took')]
+  assert {q for e in took for q in e['fragments']} == {0, 1}
+  store.close()
+
+
+def test_a_learner_of_another_num_fragments_refuses_to_start(two_fragments):
+  _, _, (code, out) = two_fragments
+  assert code != 0
+  assert 'num_fragments=1, but the syncer' in out, out[-2000:]
