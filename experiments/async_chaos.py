@@ -15,7 +15,17 @@ Runs:
 * ``no_failures``: the same processes, nothing killed;
 * ``chaos``: the schedule;
 * ``chaos_staleness``: the schedule, with the syncer's staleness options
-  (``--age_power=0.5 --correction=1 --restart_every=8``).
+  (``--age_power=0.5 --correction=1 --restart_every=8``);
+* ``sync_no_failures``, ``sync_chaos_spare``, ``sync_chaos``: synchronous
+  DiLoCo, the ordinary launcher as one ``--local_processes=4`` job (one
+  process per worker, the same model, ``H``, data and tokens per step,
+  process ``m`` sleeping what learner ``m`` sleeps after each step:
+  ``faults.step_sleep_s``), without failures, and under the schedule: each
+  learner kill a ``kill -9`` of that worker's process, after which the
+  launcher stops the job and the driver starts it again, at once (a spare
+  machine takes the killed one's place) or once every killed worker is
+  back; it resumes from its last checkpoint (every ``--checkpoint_every``
+  steps). ``experiments/_sync_chaos.py`` has the rules.
 
 Measured per run, from the processes' logs and the store, over the window
 from the moment every learner has started (compiled, first version read)
@@ -27,6 +37,13 @@ not the start-up; merges per minute; tokens dropped as stale (more than
 ``max_staleness`` versions old) and tokens published but not merged by the
 end; the final eval loss of the last global version (the trainer's eval
 batches). Simulated: the pace (sleeps) and the failures (the schedule).
+For the synchronous job: goodput = tokens of the steps that reached a sync
+and were kept (not rolled back by a restart) over the same 4 x window x a
+fast learner's failure-free tokens/s (the asynchronous runs' figure); syncs
+per minute (lost ones too); tokens lost to restarts; final eval loss of the
+anchor saved when the job is stopped at the end. Beside each run, what the
+virtual-clock models predict for its schedule and measured times
+(``experiments/_chaos_predict.py``).
 """
 
 import json
@@ -42,7 +59,9 @@ from absl import flags
 import numpy as np
 
 from experiments import _async_tables
+from experiments import _chaos_predict
 from experiments import _runs
+from experiments import _sync_chaos
 from experiments._chaos_schedule import NUM_LEARNERS
 from experiments._chaos_schedule import schedule
 from experiments._chaos_schedule import SLOW
@@ -50,7 +69,13 @@ from experiments._chaos_schedule import SLOW
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUNS = {'no_failures': (False, []), 'chaos': (True, []),
         'chaos_staleness': (True, ['--age_power=0.5', '--correction=1',
-                                   '--restart_every=8'])}
+                                   '--restart_every=8']),
+        'sync_no_failures': (False, []), 'sync_chaos_spare': (True, []),
+        'sync_chaos': (True, [])}
+# The syncer's merge rules (its flags; the timeline model takes the same).
+SYNCER = {'quorum': 2, 'liveness_s': 5, 'max_staleness': 3,
+          'grace_cap_s': 0.5, 'poll_s': 0.1}
+GRACE, OVERLAP = 0.2, 2.  # the syncer's defaults (gamma, tau)
 CONFIG = {'model.hidden': 32, 'data.seq_len': 32, 'data.max_bytes': 300_000,
           'batch_size': 16, 'outer.sync_every': 8, 'num_steps': 3000,
           'eval_batches': 4}
@@ -64,6 +89,8 @@ _KILLS = flags.DEFINE_integer('kills', 4, 'Learner kills per chaos run.')
 _DOWN = flags.DEFINE_float('down_s', 15., 'Mean learner downtime (s).')
 _SYNCER_DOWN = flags.DEFINE_float('syncer_down_s', 5., 'Syncer downtime.')
 _ONLY = flags.DEFINE_list('runs', list(RUNS), 'Runs to do.')
+_CKPT = flags.DEFINE_integer('checkpoint_every', 32,
+                             'Synchronous job: steps between checkpoints.')
 flags.mark_flag_as_required('out')
 
 
@@ -81,9 +108,8 @@ class _Run:
 
   def start(self, name: str) -> None:
     if name == 'syncer':
-      args = ['loc_opt.train.async_learners.syncer', '--quorum=2',
-              '--liveness_s=5', '--max_staleness=3', '--grace_cap_s=0.5',
-              '--poll_s=0.1', *self.syncer_args]
+      args = ['loc_opt.train.async_learners.syncer',
+              *[f'--{k}={v}' for k, v in SYNCER.items()], *self.syncer_args]
     else:
       m = int(name[1:])
       pace = _PACE.value * (_SLOW.value if m == SLOW else 1.)
@@ -161,6 +187,85 @@ def one_run(name: str, out: pathlib.Path) -> dict:
   return measure(run, t0, t1, events)
 
 
+def _paces() -> list[float]:
+  return [_PACE.value * (_SLOW.value if m == SLOW else 1.)
+          for m in range(NUM_LEARNERS)]
+
+
+def sync_run(name: str, out: pathlib.Path, fast_rate: float) -> dict:
+  """A synchronous run (see the module doc); returns its measurements."""
+  failures, _ = RUNS[name]
+  out.mkdir(parents=True, exist_ok=True)
+  run = _Run(out, [])
+  workdir = out / 'workdir'
+  events = (schedule(_SEED.value, _SECONDS.value, _KILLS.value, _DOWN.value)
+            if failures else [])
+  actions = _sync_chaos.job_actions(events, spare=name.endswith('spare'))
+  job = _sync_chaos.Job(_sync_chaos.job_command(
+      run.config, workdir, _paces(), _CKPT.value), out, run.env, ROOT)
+  a, incarnations = _sync_chaos.drive(job, workdir, actions, _SECONDS.value,
+                                      CONFIG['outer.sync_every'])
+  per_step = CONFIG['batch_size'] * CONFIG['data.seq_len']  # 4 workers
+  window = _SECONDS.value
+  restart = float(np.mean(a.restart_s)) if a.restart_s else a.startup_s
+  predicted = _chaos_predict.predict_sync(
+      actions, window_s=window, step_s=a.step_s, restart_s=restart,
+      checkpoint_every=_CKPT.value, tokens_per_step=per_step / NUM_LEARNERS,
+      fast_tokens_per_s=fast_rate)
+  return {
+      'window_s': window, 'learner_tokens_per_s': fast_rate,
+      'goodput': a.steps_kept * per_step / (NUM_LEARNERS * window * fast_rate),
+      'goodput_predicted': predicted['goodput'],
+      'syncs': a.syncs, 'merges_per_min': 60 * a.syncs / window,
+      'tokens_merged': a.steps_kept * per_step,
+      'tokens_lost': a.steps_lost * per_step,
+      'tokens_unmerged': a.steps_unsynced * per_step,
+      'learner_kills': sum(1 for _, w, p in events
+                           if w == 'kill' and p != 'syncer'),
+      'job_kills': sum(1 for _, w, _ in actions if w == 'kill'),
+      'restarts': len(incarnations) - 1, 'step_s': a.step_s,
+      'startup_s': a.startup_s, 'restart_s': a.restart_s,
+      'final_step': a.final_step, 'actions': actions,
+      'incarnations': [
+          {'resume_step': i['resume_step'], 'exit_code': i.get('exit_code'),
+           'steps': [min(i['steps']), max(i['steps'])] if i['steps'] else []}
+          for i in incarnations],
+      'eval_loss': _eval_loss(_exported(workdir, out / 'export'))}
+
+
+def _exported(workdir: pathlib.Path, out: pathlib.Path):
+  """The job's global model (its anchor) at its last checkpoint, through
+  ``loc-opt-export``; the initial model if it saved none."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import checkpoint  # pylint: disable=g-import-not-at-top
+  from loc_opt.train.async_learners import syncer  # pylint: disable=g-import-not-at-top
+  if checkpoint.latest_step(str(workdir)) is None:
+    return syncer.init_params(_tiny_config())
+  subprocess.run(
+      ['nice', '-n', '19', sys.executable, '-c',
+       'from loc_opt.launch import export_main; export_main()',
+       f'--workdir={workdir}', f'--out={out}', f'--cpu_devices={NUM_LEARNERS}'],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=''),
+      check=True, capture_output=True)
+  return ocp.StandardCheckpointer().restore(out / 'params')
+
+
+def _restart_costs(run: _Run, t0: float, events, step_s) -> dict:
+  """Per restarted learner, seconds from its scheduled restart to its
+  first step (its first payload after it, less ``H`` of its median
+  steps), mean over its restarts."""
+  costs = {}
+  for t, what, proc in events:
+    if what != 'start' or proc == 'syncer':
+      continue
+    after = [e['wall'] for e in run.events(proc)
+             if e['event'] == 'payload' and e['wall'] > t0 + t]
+    if after:
+      costs.setdefault(proc, []).append(
+          min(after) - t0 - t - CONFIG['outer.sync_every'] * step_s[proc])
+  return {k: float(np.mean(v)) for k, v in costs.items()}
+
+
 def measure(run: _Run, t0: float, t1: float, events) -> dict:
   """The run's numbers (see the module doc)."""
   payloads = {}
@@ -178,6 +283,16 @@ def measure(run: _Run, t0: float, t1: float, events) -> dict:
   rate = (np.mean([p['tokens'] / p['steps'] for p in fast])
           / np.median([p['step_s'] for p in fast]))
   window = t1 - t0
+  step_s = {f'l{m}': float(np.median([p['step_s'] for (l, _), p
+                                      in in_window.items() if l == f'l{m}']))
+            for m in range(NUM_LEARNERS)}
+  fast_s = float(np.median([p['step_s'] for p in fast]))
+  restart_s = _restart_costs(run, t0, events, step_s)
+  predicted = _chaos_predict.predict_async(
+      events, window_s=window, fast_step_s=fast_s,
+      slow_step_s=step_s[f'l{SLOW}'], restart_s=restart_s,
+      sync_every=CONFIG['outer.sync_every'], quorum=SYNCER['quorum'],
+      grace=GRACE, grace_cap_s=SYNCER['grace_cap_s'], overlap=OVERLAP)
   from loc_opt.train.async_learners import store as store_lib  # pylint: disable=g-import-not-at-top
   store = store_lib.Store(run.store)
   version = store.latest_version()
@@ -186,6 +301,9 @@ def measure(run: _Run, t0: float, t1: float, events) -> dict:
   return {
       'window_s': window, 'learner_tokens_per_s': float(rate),
       'goodput': tokens_merged / (NUM_LEARNERS * window * rate),
+      'goodput_predicted': predicted['goodput'],
+      'merges_per_min_predicted': predicted['merges_per_min'],
+      'step_s': step_s, 'restart_s': restart_s,
       'merges': len([e for e in merges if e['time'] >= t0]),
       'merges_per_min': 60 * len([e for e in merges if e['time'] >= t0])
                         / window,
@@ -238,13 +356,25 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   results = {}
   for name in _ONLY.value:
-    results[name] = one_run(name, out / name)
+    if name not in RUNS:
+      raise app.UsageError(f'--runs: no run {name!r} ({", ".join(RUNS)})')
+    if name.startswith('sync'):
+      rates = [r['learner_tokens_per_s'] for r in results.values()
+               if 'merges' in r]
+      if not rates:
+        raise app.UsageError('the synchronous runs take a fast learner\'s '
+                             'tokens/s from an asynchronous run: list one '
+                             'before them in --runs')
+      results[name] = sync_run(name, out / name, float(np.mean(rates)))
+    else:
+      results[name] = one_run(name, out / name)
     print(name, json.dumps(results[name]), flush=True)
   settings = {'seconds': _SECONDS.value, 'seed': _SEED.value,
               'pace_s': _PACE.value, 'slow_factor': _SLOW.value,
               'kills': _KILLS.value, 'down_s': _DOWN.value,
               'syncer_down_s': _SYNCER_DOWN.value,
-              'num_learners': NUM_LEARNERS, 'config': CONFIG}
+              'num_learners': NUM_LEARNERS, 'config': CONFIG,
+              'checkpoint_every': _CKPT.value, 'syncer': SYNCER}
   # The results file of every benchmark (command, provenance, corpus).
   _runs.write(out, 'async_chaos', _async_tables.async_chaos_main(
       {'settings': settings, 'results': results}), results,
