@@ -315,6 +315,9 @@ def test_rejoin_with_peer_falls_back_to_own_then_fresh(tmp_path):
   got, line = start('x')  # y's: z is not live (its newest is too old)
   assert (line['source'], line['source_learner'], line['source_seq'],
           line['step'], got.step) == ('peer', 'y', 3, 40, 40)
+  _, line = start('w')  # a learner added mid-run takes the peer's too
+  assert (line['source'], line['source_learner'], line['step']) == (
+      'peer', 'y', 40)
   assert store.newest_peer_state('x', now=now, liveness_s=2e3)['learner'] \
       == 'z'  # live, it would win: on a newer base version
   store.close()
