@@ -315,3 +315,48 @@ def test_a_learner_of_another_num_fragments_refuses_to_start(two_fragments):
   _, _, (code, out) = two_fragments
   assert code != 0
   assert 'num_fragments=1, but the syncer' in out, out[-2000:]
+
+
+# ------------------------------------------------- a learner, in-process ---
+def test_a_learner_takes_only_the_fragments_merged_since(tmp_path):
+  from configs import diloco_lm  # pylint: disable=g-import-not-at-top
+  from loc_opt.train.async_learners import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  c = diloco_lm.get_config('mlp')
+  c.model.hidden, c.data.seq_len, c.data.max_bytes = 16, 32, 300000
+  c.batch_size, c.outer.sync_every, c.num_steps = 8, 4, 1000
+  init = syncer_lib.init_params(c)
+  store = store_lib.Store(tmp_path)
+  syncer = syncer_lib.Syncer(store, init, syncer_lib.SyncerOptions(
+      num_fragments=2, grace_cap_s=0.), init=init)
+  frags = syncer.frags
+  learners = {alpha: learner_lib.Learner(c, store, f'l{i}', num_fragments=2,
+                                         alpha=alpha, wait_s=5.)
+              for i, alpha in enumerate((0., 0.5))}
+  for learner in learners.values():
+    meta = learner.round()
+    assert (meta['fragment'], meta['steps'], learner.step) == (1, 2, 2)
+  syncer.poll()
+  assert syncer.merge(1)['fragment'] == 1
+  glob = jax.tree.leaves(store.read_global(1, init)[0])
+  for alpha, learner in learners.items():
+    own = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
+    assert learner._take(1) and learner.took == [1]
+    now = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
+    anchor = [np.asarray(x) for x in jax.tree.leaves(learner.anchor)]
+    for i in frags.leaves[1]:  # merged: taken (mixed with alpha)
+      np.testing.assert_allclose(now[i], alpha * own[i] + (1 - alpha)
+                                 * glob[i], rtol=1e-6, atol=1e-7)
+      np.testing.assert_array_equal(anchor[i], glob[i])
+      assert not np.array_equal(now[i], own[i])
+    for i in frags.leaves[0]:  # not merged: its own progress stays
+      np.testing.assert_array_equal(now[i], own[i])
+    assert learner.fragment_versions == [0, 1] and learner.since == [0, 2]
+    # fragment 0 next: 4 steps since the start, on its version 0; then
+    # fragment 1: 4 steps since it was taken, on its version 1
+    meta = learner.round()
+    assert (meta['fragment'], meta['steps'],
+            meta['base_fragment_version']) == (0, 4, 0)
+    meta = learner.round()
+    assert (meta['fragment'], meta['steps'],
+            meta['base_fragment_version']) == (1, 4, 1)
+  store.close()

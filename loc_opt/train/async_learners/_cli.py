@@ -62,6 +62,9 @@ def run_learner(main_fn, rejoin_states) -> None:
   frags = flags.DEFINE_integer(
       'num_fragments', 1, 'Fragments of the model (the syncer\'s value): '
       'one fragment published every sync_every / num_fragments steps.')
+  alpha = flags.DEFINE_float(
+      'alpha', 0., 'Weight of the own copy when a merged fragment arrives '
+      '(0: overwrite).')
   liveness = flags.DEFINE_float(
       'peer_liveness_s', 60., 'With --rejoin_state=peer: a peer is live if '
       'its newest inner state is this recent.')
@@ -80,6 +83,7 @@ def run_learner(main_fn, rejoin_states) -> None:
             num_learners=num.value, codec=codec.value,
             rejoin_state=rejoin.value, slowdown_s=slow.value,
             peer_liveness_s=liveness.value, num_fragments=frags.value,
+            alpha=alpha.value,
             max_rounds=rounds.value, stop_at_version=stop.value)
 
   app.run(main)

@@ -30,8 +30,10 @@ with the fragment's base (the version of fragment ``p`` it builds on) and
 the tokens and steps since fragment ``p`` was last published or taken (the
 counters restart then, as in the SPMD version). A newer global version
 overwrites only the fragments merged since the learner last took them
-(their fragment versions grew; ``alpha = 0``); the others keep its own
-progress. ``P = 1``: the whole model every ``H`` steps, as above.
+(their fragment versions grew; ``alpha = 0``, or with ``alpha > 0``
+Streaming DiLoCo's mixing ``alpha theta_q + (1 - alpha) Theta_q``, as the
+SPMD version's ``alpha``, the next delta still measured from ``Theta_q``);
+the others keep its own progress. ``P = 1``: the whole model every ``H`` steps, as above.
 
 Learner ``index`` of ``num_learners`` reads its own shard of the trainer's
 batches (worker ``index`` of ``config.mesh.workers = num_learners``), at the
@@ -125,6 +127,8 @@ class Learner:
     peer_liveness_s: with ``'peer'``, how recent a peer's newest inner
       state must be for the peer to count as live.
     num_fragments: ``P`` (see the module doc); must be the syncer's.
+    alpha: weight of its own copy when a merged fragment arrives (0:
+      overwrite, Decoupled DiLoCo's default).
   """
 
   def __init__(self, config: ml_collections.ConfigDict,
@@ -132,7 +136,7 @@ class Learner:
                num_learners: int = 1, codec: str | None = None,
                rejoin_state: str = 'keep', slowdown_s: float = 0.,
                log=None, wait_s: float = 120., peer_liveness_s: float = 60.,
-               num_fragments: int = 1):
+               num_fragments: int = 1, alpha: float = 0.):
     store_lib.check_learner_id(learner)
     _checks.one_of(rejoin_state, 'rejoin_state', REJOIN_STATES)
     if not 0 <= index < num_learners:
@@ -152,6 +156,7 @@ class Learner:
     self.params_like = jax.eval_shape(self.model.init, jax.random.key(0))
     self.H = cfg_lib.sync_every(self.config)
     self.frags = wire.Fragments(self.params_like, num_fragments)
+    self.alpha = _checks.in_interval(alpha, 'alpha', 0, 1)
     self.stride = self.frags.stride(self.H)  # steps per round: H / P
     self.mesh, self.writer = _procs.mesh(), hosts.is_writer()
     if self.rows % self.mesh.devices.size:
@@ -207,7 +212,10 @@ class Learner:
                    if versions[q] > self.fragment_versions[q]]
       for q in self.took:
         part = self.frags.take(params, q)
-        self.params = self.frags.put(self.params, q, part)
+        mine = part if not self.alpha else jax.tree.map(
+            lambda m, g: self.alpha * m + (1 - self.alpha) * g,
+            self.frags.take(self.params, q), part)
+        self.params = self.frags.put(self.params, q, mine)
         self.anchor = self.frags.put(self.anchor, q, part)
         self.since[q], self.fragment_versions[q] = self.step, versions[q]
     self.version = version
