@@ -38,8 +38,9 @@ def learner_failures(events: Sequence[tuple[float, str, str]],
                      window_s: float) -> list[tuple[int, float, float]]:
   """The schedule's learner kills as the timeline's failures ``(learner,
   start tick, ticks down)``: down from the kill to its restart plus the
-  learner's restart cost ``restart_s[name]`` (seconds); kills after the
-  window are dropped.
+  learner's restart cost ``restart_s[name]`` (seconds; for a learner
+  without one, the mean of the others, 0 if none); kills after the window
+  are dropped.
 
   Raises:
     ValueError: a killed learner is never restarted, or ``tick_s`` is not
@@ -48,6 +49,7 @@ def learner_failures(events: Sequence[tuple[float, str, str]],
   if not tick_s > 0:
     raise ValueError(f'tick_s must be > 0, got {tick_s}')
   events = sorted(events)
+  default = float(np.mean(list(restart_s.values()))) if restart_s else 0.
   out = []
   for i, (t, what, proc) in enumerate(events):
     if what != 'kill' or proc == 'syncer' or t >= window_s:
@@ -57,7 +59,7 @@ def learner_failures(events: Sequence[tuple[float, str, str]],
     if back is None:
       raise ValueError(f'learner {proc} killed at {t:.1f} s is never '
                        'restarted')
-    down = back - t + restart_s.get(proc, 0.)
+    down = back - t + restart_s.get(proc, default)
     out.append((int(proc[1:]), t / tick_s, down / tick_s))
   return out
 

@@ -253,13 +253,16 @@ def _exported(workdir: pathlib.Path, out: pathlib.Path):
 def _restart_costs(run: _Run, t0: float, events, step_s) -> dict:
   """Per restarted learner, seconds from its scheduled restart to its
   first step (its first payload after it, less ``H`` of its median
-  steps), mean over its restarts."""
+  steps), mean over its restarts; a restart killed again before its first
+  payload is not counted."""
   costs = {}
-  for t, what, proc in events:
+  for i, (t, what, proc) in enumerate(events):
     if what != 'start' or proc == 'syncer':
       continue
-    after = [e['wall'] for e in run.events(proc)
-             if e['event'] == 'payload' and e['wall'] > t0 + t]
+    end = next((u for u, w, p in events[i + 1:] if p == proc and w == 'kill'),
+               np.inf)
+    after = [e['wall'] for e in run.events(proc) if e['event'] == 'payload'
+             and t0 + t < e['wall'] < t0 + end]
     if after:
       costs.setdefault(proc, []).append(
           min(after) - t0 - t - CONFIG['outer.sync_every'] * step_s[proc])

@@ -83,7 +83,9 @@ def test_the_step_clock_ignores_the_old_file_until_the_resume_rewrites_it(
 
 def test_learner_kills_become_timeline_failures_in_ticks():
   failures = predict.learner_failures(EVENTS, {'l1': 5.}, 0.5, 100.)
-  assert failures == [(1, 20., 30.), (2, 60., 20.), (0, 64., 6.)]
+  # l2 and l0 have no measured restart cost: they take l1's
+  assert failures == [(1, 20., 30.), (2, 60., 30.), (0, 64., 16.)]
+  assert predict.learner_failures(EVENTS, {}, 0.5, 100.)[0] == (1, 20., 20.)
   with pytest.raises(ValueError, match='never restarted'):
     predict.learner_failures([(1., 'kill', 'l3')], {}, 0.5, 100.)
 
