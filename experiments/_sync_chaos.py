@@ -158,7 +158,8 @@ def account(incarnations: list[dict], t0: float, t1: float,
     lineage by ``t1`` (the running job's last synced step, or the last
     checkpoint when it was down); ``steps_kept`` = ``final_step -
     first_step``; ``steps_lost``: steps logged in the window and rolled
-    back by a restart; ``steps_unsynced``: the final lineage's steps past
+    back by a restart (or, for a job down at the end, past its last
+    checkpoint); ``steps_unsynced``: the final lineage's steps past
     ``final_step``; ``syncs``: sync steps logged in the window (lost ones
     too); ``step_s``: seconds per step while running (the first to the
     last logged step of each incarnation, pooled); ``startup_s`` and
@@ -182,8 +183,10 @@ def account(incarnations: list[dict], t0: float, t1: float,
     top = max(by_end, default=last['resume_step'])
     final = max(top - top % sync_every, last['resume_step'])
     unsynced = top - final
-  else:
+  else:  # down at the end: what it ran past its checkpoint is lost too
     final, unsynced = final_checkpoint, 0
+    lost += sum(1 for s, t in last['steps'].items()
+                if inside(t) and s > final_checkpoint)
   run_s = run_steps = 0.
   for inc in incarnations:
     times = sorted(inc['steps'].items())

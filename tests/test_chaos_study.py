@@ -50,10 +50,12 @@ def test_the_account_counts_kept_lost_and_unsynced_steps():
   assert a.syncs == 4  # 8, 16 (lost later), 24, 32
   assert a.step_s == pytest.approx(1.)
   assert (a.startup_s, a.restart_s) == (11., [16.])
-  # Down at the end: the final lineage ends at its last checkpoint.
-  incs[-1]['killed'] = 60.
+  # Down at the end: killed at 60.5 s after step 26, its lineage ends at
+  # its last checkpoint (24); steps 25 and 26 are lost too.
+  incs[-1] = _incarnation(16, 35., range(17, 27), 51., killed=60.5)
   a = sync.account(incs, 11., 70., 8, final_checkpoint=24)
   assert (a.final_step, a.steps_kept, a.steps_unsynced) == (24, 23, 0)
+  assert a.steps_lost == 4 + 2
   with pytest.raises(ValueError, match='no step'):
     sync.account([_incarnation(0, 0., [], 0.)], 0., 1., 8, 0)
 
