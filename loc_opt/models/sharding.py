@@ -47,6 +47,7 @@ References:
 """
 
 from collections.abc import Iterable, Mapping, Sequence
+import functools
 import math
 from typing import Any
 
@@ -212,3 +213,24 @@ def is_split(logical: str, dim: int, rules: Rules) -> bool:
     return False
   entry = logical_to_spec((logical,), rules, sizes)[0]
   return _divisible(entry, dim, sizes) is not None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def constrain_forward(x: jax.Array, logical: tuple[str | None, ...],
+                      rules: Rules) -> jax.Array:
+  """:func:`constrain` in the forward pass only: the cotangent is left to
+  the partitioner (a constrained cotangent would be, e.g. a weight gradient
+  all-reduced whole instead of reduce-scattered to its shards)."""
+  return constrain(x, logical, rules)
+
+
+def _constrain_forward_fwd(x, logical, rules):
+  return constrain(x, logical, rules), None
+
+
+def _constrain_forward_bwd(logical, rules, residual, g):
+  del logical, rules, residual
+  return (g,)
+
+
+constrain_forward.defvjp(_constrain_forward_fwd, _constrain_forward_bwd)
