@@ -73,6 +73,11 @@ HAND_WRITTEN = {
         'not measurements',
     ('sharding.md', '| option | default | on CPU | on GPU / TPU | why |'):
         REFERENCE,
+    ('sharding.md', '| size, remat | before | after | vs ideal before '
+     '| after |'):
+        'before / after of the fsdp x tensor rows across a code change: the '
+        'after figures are the generated scale_sync table, the before ones '
+        'its results file as committed before the change',
     ('sharding.md', '| `outer.method` | sync temp MiB before | after | sync '
      'within-worker MiB before | after (inner: 3,904) |'):
         'compile-only memory of a one-off probe at ~100M before and after '
