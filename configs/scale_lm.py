@@ -45,7 +45,9 @@ SIZES = {
 # overrides on top of the size's config. remat 'full' keeps one block's
 # activations at a time (the ~1B inner step's temporary memory 4.8x lower
 # than unscanned without remat on CPU, docs/sharding.md); at ~100M 'dots'
-# keeps the matmul outputs and recomputes the rest.
+# keeps the matmul outputs and recomputes the rest. On a mesh with tensor >
+# 1 use 'full_tp': it keeps each block's attention output too, so the
+# recompute repeats no all-reduce (docs/sharding.md, the fsdp x tensor mesh).
 _ACCELERATOR_COMMON = {
     'model.scan_layers': True,  # Compile time flat in depth.
     'model.attention': 'auto',  # jax.nn.dot_product_attention, kernel by XLA.
