@@ -409,11 +409,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.faults.chaos_mtbf_steps = 0.0
   c.faults.chaos_chips_per_learner = 1
   c.faults.chaos_downtime_steps = 0.0
-
-  # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # Slow machines: seconds a process sleeps after each step, one value for
   # every process or one per process (() = none).
   c.faults.step_sleep_s = ()
+
+  # The simulated machine of the wall-clock model (loc_opt.parallel.wallclock):
   # the run's compiled collectives are played against these links; the
   # summary reports simulated seconds and compute utilization per bandwidth.
   c.wallclock = ml_collections.ConfigDict()
