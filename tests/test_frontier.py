@@ -56,8 +56,10 @@ def test_front_and_the_largest_reduction_within_each_margin():
   assert '200x (b, 1.0400)' in text and 'Not run yet: e.' in text
   # Nothing within a margin, and no data-parallel row yet.
   res = _frontier_tables.results(rows[:1] + rows[4:5], setup, [])
-  assert 'no method is within 2%' in _frontier_tables.sentence(
-      {'results': res})
+  text = _frontier_tables.sentence({'results': res})
+  assert 'no method is within 2%' in text
+  assert 'the closest is c at +20.0% with 1,000x fewer bytes' in text
+  assert _frontier_tables.frontier_headline({'results': res}) == text + '\n'
   res = _frontier_tables.results(rows[1:], setup, [])
   assert _frontier_tables.sentence({'results': res}).startswith(
       'No data-parallel run yet')
