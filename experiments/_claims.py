@@ -165,6 +165,18 @@ def local_search(axes, losses):
   return wanted
 
 
+def size_steps(pairs) -> dict[str, int]:
+  """``--steps_per_size`` as ``{size: steps}``."""
+  out = {}
+  for pair in pairs:
+    size, _, value = pair.partition('=')
+    if size not in SIZES or not value.isdigit() or int(value) < 1:
+      raise ValueError(f'{pair!r} is not SIZE=STEPS with a size of '
+                       f'{list(SIZES)} and a positive number of steps')
+    out[size] = int(value)
+  return out
+
+
 def method_inner(pairs, config_lr: float) -> dict[tuple[str | None, str],
                                           float | None]:
   """``--method_inner_lrs`` as ``{(size or None: every size, method):
@@ -466,7 +478,10 @@ _registry.tables({
     ('claims', 'sweep'): claims_sweep,
     ('claims_long', 'main'): claims_main,
     ('claims_long', 'sweep'): claims_sweep,
+    ('claims_budget', 'main'): claims_main,
     ('qsr', 'main'): qsr_main,
 })
 _registry.figure('claims', claims_figure, 'figures/claims.png')
 _registry.figure('claims_long', claims_figure, 'figures/claims_long.png')
+_registry.figure('claims_budget', claims_figure,
+                 'figures/claims_budget.png')

@@ -72,6 +72,10 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/diloco_lm.py',
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Parent of the run dirs.')
 _SIZES = flags.DEFINE_list('sizes', ['0.5M', '2M', '8M'], 'Model sizes.')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
+_SIZE_STEPS = flags.DEFINE_list(
+    'steps_per_size', [], 'SIZE=STEPS pairs: the steps of the runs at that '
+    'size instead of --num_steps (e.g. 0.2M=1000: the same tokens per '
+    'parameter as 0.5M at 2400).')
 _SYNC_EVERY = flags.DEFINE_integer('sync_every', 30, 'DiLoCo H.')
 _DP_LRS = flags.DEFINE_list(
     'dp_lrs', ['2.4e-2', '1.2e-2', '6e-3', '3e-3', '1.5e-3'],
@@ -106,7 +110,7 @@ _MERGE_ONLY = flags.DEFINE_bool(
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
 # The results files this study writes (NAME.json; experiments.tables
 # renders each): the main grid, and longer runs of the same table.
-RESULTS_NAMES = ('claims', 'claims_long')
+RESULTS_NAMES = ('claims', 'claims_long', 'claims_budget')
 _RESULTS_NAME = flags.DEFINE_enum(
     'results_name', 'claims', RESULTS_NAMES,
     'The results file (NAME.json) this study writes.')
@@ -116,6 +120,12 @@ _SIMULATE = flags.DEFINE_bool(
     'runs on one device, e.g. a GPU.')
 flags.mark_flag_as_required('workdir')
 
+
+
+def _steps(size: str) -> int:
+  """The steps of a run at ``size`` (``--steps_per_size`` or
+  ``--num_steps``)."""
+  return _claims.size_steps(_SIZE_STEPS.value).get(size, _NUM_STEPS.value)
 
 
 def _floats(values, flag):
@@ -135,14 +145,15 @@ def _config(base, size, method, knob, seed, inner=None, momentum=None):
   fields = {f'model__{k}': v for k, v in SIZES[size].items()}
   fields.update(overrides)
   simulate = _SIMULATE.value and workers > 1
-  fields.update({'num_steps': _NUM_STEPS.value, 'seed': seed,
+  steps = _steps(size)
+  fields.update({'num_steps': steps, 'seed': seed,
                  'outer__sync_every': _SYNC_EVERY.value,
                  'mesh__workers': workers,
                  'mesh__data': devices if simulate else devices // workers,
                  'mesh__simulate_workers': simulate,
                  'mesh__fsdp': 1, 'mesh__tensor': 1,
-                 'eval_every': max(_NUM_STEPS.value // 6, 1),
-                 'checkpoint_every': max(_NUM_STEPS.value // 6, 1)})
+                 'eval_every': max(steps // 6, 1),
+                 'checkpoint_every': max(steps // 6, 1)})
   if method == 'dp':
     fields['optimizer__learning_rate'] = knob
   else:
@@ -222,8 +233,13 @@ def main(argv):
   unknown = [s for s in _SIZES.value if s not in SIZES]
   if unknown:
     raise app.UsageError(f'unknown sizes {unknown}; known: {list(SIZES)}')
-  if _NUM_STEPS.value < _SYNC_EVERY.value:
-    raise app.UsageError('--num_steps must be at least --sync_every')
+  try:
+    per_size = _claims.size_steps(_SIZE_STEPS.value)
+  except ValueError as e:
+    raise app.UsageError(f'--steps_per_size: {e}') from e
+  if min([_NUM_STEPS.value, *per_size.values()]) < _SYNC_EVERY.value:
+    raise app.UsageError('--num_steps and --steps_per_size must be at least '
+                         '--sync_every')
   methods = _runs.chosen(_METHODS.value, METHODS, '--methods')
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False

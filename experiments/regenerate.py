@@ -153,22 +153,38 @@ BENCHMARKS: dict[str, Benchmark] = {
                 'claims_cpu/8M_diloco_m4', 'claims_cpu/8M_diloco_m1_seeds',
                 'claims_cpu/8M_diloco_m4_seeds'))),
                         'docs/claims.md'),
-    # Claim 1 at 0.5M with 4x the tokens (2400 steps, 21 tokens per
-    # parameter, the paper's budget; H = 30): a local search from each
-    # method's best setting of the 600-step grid (data-parallel lr; DiLoCo
-    # outer lr and momentum), then 3 seeds of each best; one device (the
-    # workers stacked), so two such processes fit 2 cores. Days of CPU.
+    # Claim 1 at about 21 tokens per parameter: 0.5M at 2400 steps and 0.2M
+    # at 1000 (H = 30): a local search from each method's start (data-
+    # parallel lr; DiLoCo outer lr and momentum at one inner lr per method
+    # and size), then 3 seeds of each best; one device (the workers
+    # stacked), so two such processes fit 2 cores. Days of CPU.
     'claims_long': Benchmark('claims', (
-        '--results_name=claims_long', '--sizes=0.5M', '--num_steps=2400',
-        '--search=local', '--methods=dp,diloco_m1,diloco_m4,diloco_m2',
-        '--dp_lrs=1.2e-2,2.4e-2,6e-3,3e-3', '--outer_lrs=0.7,0.4,1.0,0.2',
-        '--outer_momenta=0.9,0.5,0.3', '--diloco_inner_lrs=3e-3',
-        '--method_inner_lrs=diloco_m1=6e-3', '--seeds=1,2',
+        '--results_name=claims_long', '--sizes=0.2M,0.5M', '--num_steps=2400',
+        '--steps_per_size=0.2M=1000', '--search=local',
+        '--methods=dp,diloco_m1,diloco_m4,diloco_m2',
+        '--dp_lrs=1.2e-2,2.4e-2,6e-3,3e-3,4.8e-2',
+        '--outer_lrs=0.7,0.4,1.0,0.2,1.4', '--outer_momenta=0.9,0.5,0.3,0.0',
+        '--diloco_inner_lrs=3e-3',
+        '--method_inner_lrs=diloco_m1=6e-3,0.2M:diloco_m1=1.2e-2,'
+        '0.2M:diloco_m4=1.2e-2', '--seeds=1,2',
         '--simulate_workers', '--cpu_devices=1', '--config.mesh.workers=1',
         '--config.mesh.data=1'), 'docs/claims.md'),
-    # The bytes-at-quality frontier at the same budget (0.5M, M = 4 on 4
-    # devices, bytes from the compiled programs), knobs tuned: days of CPU.
-    'frontier': Benchmark('frontier', ('--tune',), 'docs/claims.md'),
+    # The same comparison at 50 tokens per parameter (0.2M, 2400 steps) at
+    # the 1000-step best settings: how the gaps move with the budget.
+    'claims_budget': Benchmark('claims', (
+        '--results_name=claims_budget', '--sizes=0.2M', '--num_steps=2400',
+        '--search=grid', '--methods=dp,diloco_m1,diloco_m4',
+        '--dp_lrs=2.4e-2', '--outer_lrs=0.7', '--outer_momenta=0.5',
+        '--diloco_inner_lrs=1.2e-2', '--seeds=', '--simulate_workers',
+        '--cpu_devices=1', '--config.mesh.workers=1',
+        '--config.mesh.data=1'), 'docs/claims.md'),
+    # The bytes-at-quality frontier at the same budget (0.2M at 1000 steps,
+    # M = 4 on 4 devices, bytes from the compiled programs), knobs tuned:
+    # hours of CPU.
+    'frontier': Benchmark('frontier', (
+        '--tune', '--size=0.2M', '--num_steps=1000', '--dp_lr=2.4e-2',
+        '--inner_lr=1.2e-2', '--config.outer.momentum=0.5'),
+        'docs/claims.md'),
 }
 
 

@@ -264,3 +264,11 @@ def test_method_inner_lrs_hold_per_size_or_everywhere():
   for bad in ('dp=1e-3', '3M:diloco_m1=1e-3', 'diloco_m1='):
     with pytest.raises(ValueError, match='SIZE'):
       _claims.method_inner([bad], config_lr=3e-3)
+
+
+def test_steps_per_size_parse_and_refuse_what_is_not_a_size_or_a_count():
+  assert _claims.size_steps(['0.2M=1000', '0.5M=2400']) == {
+      '0.2M': 1000, '0.5M': 2400}
+  for bad in ('3M=10', '0.2M=', '0.2M=-5', '0.2M=1e3'):
+    with pytest.raises(ValueError, match='SIZE=STEPS'):
+      _claims.size_steps([bad])
