@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from loc_opt.models import core
 from loc_opt.models import fused_backward as _fused
 from loc_opt.models import moe as _moe
+from loc_opt.models import projections as _projections
 from loc_opt.models import sharding
 from loc_opt.models import weight_grad as _weight_grad
 # The attention's functions, importable from here as before.
@@ -315,7 +316,8 @@ class Attention(nnx.Module):
 
     projections = (self.query, self.key, self.value)
     if sharding.is_split('heads', config.num_heads, config.axis_rules):
-      q, k, v = map(heads, _one_product(config, x, projections))
+      q, k, v = map(heads, _projections.one_product(config, x,
+                                                    projections))
     else:
       q, k, v = (heads(f(x)) for f in projections)
     weight_grad = _weight_grad.resolve(config.weight_grad)
@@ -327,39 +329,10 @@ class Attention(nnx.Module):
       else:
         y = attend(apply_rope(q, sin, cos), apply_rope(k, sin, cos), v,
                    config.attention, weight_grad)
-    y = _gathered(config, self.out, heads(y).reshape(b, t, config.d_model),
-                  ('heads', 'embed'))
+    y = _projections.dense(config, self.out,
+                           heads(y).reshape(b, t, config.d_model),
+                           ('heads', 'embed'))
     return checkpoint_name(y, 'attention_output')
-
-
-def _gathered(config: TransformerConfig, layer: nnx.Linear, x: jax.Array,
-              logical: tuple[str, str]) -> jax.Array:
-  """``layer(x)`` (the same product) with its kernel cast to
-  ``config.dtype`` and then gathered over the FSDP axes once, by a
-  forward-only constraint to ``logical`` less ``'embed'`` (its gradient is
-  reduce-scattered as before): on fsdp x tensor XLA
-  otherwise gathered the ~8B MLP's up kernel twice in the backward pass,
-  once for each product that reads it. No mesh: ``layer(x)``."""
-  kernel = layer.kernel[...].astype(config.dtype)
-  kernel = sharding.constrain_forward(
-      kernel, tuple(None if a == 'embed' else a for a in logical),
-      config.axis_rules)
-  return _weight_grad.matmul(x.astype(config.dtype), kernel,
-                             config.weight_grad)
-
-
-def _one_product(config: TransformerConfig, x: jax.Array,
-                 layers: tuple[nnx.Linear, ...]) -> tuple[jax.Array, ...]:
-  """``layer(x)`` for each of ``layers`` from one product with their
-  stacked kernels, used when the heads are split over a mesh axis: the
-  backward pass then sums the input's gradient over the three kernels
-  before Megatron's all-reduce (one per block, not one per projection;
-  XLA:CPU reduces each product's partial sums apart otherwise)."""
-  kernel = jnp.stack([l.kernel[...] for l in layers], axis=1)
-  kernel = sharding.constrain_forward(kernel.astype(config.dtype),
-                                     (None, None, 'heads'), config.axis_rules)
-  y = jnp.einsum('btd,dkh->btkh', x.astype(config.dtype), kernel)
-  return tuple(y[:, :, i] for i in range(len(layers)))
 
 
 class MLP(nnx.Module):
@@ -381,14 +354,15 @@ class MLP(nnx.Module):
     self.down = _linear(config, f, d, ('mlp', 'embed'), residual, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    up = _gathered(self.config, self.up, x, ('embed', 'mlp'))
+    up = _projections.dense(self.config, self.up, x, ('embed', 'mlp'))
     hidden = self.config.constrain(up, 'batch', 'length', 'mlp')
     with jax.named_scope('gelu'):
       if self.config.fused():
         hidden = _fused.gelu_tanh(hidden)
       else:
         hidden = jax.nn.gelu(hidden, approximate=True)
-    return _gathered(self.config, self.down, hidden, ('mlp', 'embed'))
+    return _projections.dense(self.config, self.down, hidden,
+                              ('mlp', 'embed'))
 
 
 class Block(nnx.Module):
