@@ -265,6 +265,11 @@ class Checkpointer:
       try:
         state = self._restore_step(target, config_json, s, compare)
       except _Unreadable as e:
+        lost = cf.lost_peer(e)
+        if lost:  # not the checkpoint's fault: keep it, fall back to none
+          raise CheckpointError(
+              f'restoring {e.step} in {self.dir} stopped: another process '
+              f'of the run left ({lost}); the checkpoint is kept') from e
         unreadable.append(e)
         continue
       for e in unreadable:

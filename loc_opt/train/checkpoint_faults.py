@@ -42,6 +42,20 @@ def first_line(text: str, limit: int = 200) -> str:
   return line if len(line) <= limit else line[:limit - 3] + '...'
 
 
+def lost_peer(error: BaseException) -> str | None:
+  """The first line of a cross-process failure in ``error``'s chain (a
+  gloo collective or the coordination service: another process of the run
+  left, e.g. stopped on a signal), else ``None``: no fault of the
+  checkpoint being read."""
+  if jax.process_count() < 2:
+    return None
+  for e in chain(error):
+    text = str(e)
+    if 'Gloo' in text or 'coordination service' in text:
+      return first_line(text)
+  return None
+
+
 def unreadable_reason(error: BaseException, where: pathlib.Path) -> str:
   """Why checkpoint ``where`` could not be read, in words (one line):
   which file or array, and what is wrong with it."""

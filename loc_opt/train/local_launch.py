@@ -18,7 +18,12 @@ The parent only waits. A SIGTERM or SIGINT it receives goes on to every
 child as a SIGTERM, which is a preemption notice: the children reach one
 sync point, save a checkpoint at the same step and exit (run the same
 command to resume); the parent then exits 0 after a SIGTERM and 130 after a
-SIGINT; a second SIGINT kills them. When one child fails, the
+SIGINT; a second SIGINT kills them. Before their first step the children
+have nothing to save: each stops at once with 143 (128 + SIGTERM), process
+0 with one line saying so (the others keep quiet, :data:`CHILD_ENV`), and
+the parent exits 128 + the signal it got (143, 130), killing any child
+still running :data:`STOP_GRACE_S` seconds after the first stopped. When
+one child fails, the
 others would wait for it in their next collective forever: the parent
 kills them and exits with the failed child's code, naming it (128 + the
 signal's number when a signal killed it: 137 for SIGKILL).
@@ -42,6 +47,14 @@ import sys
 import time
 
 from loc_opt import _checks
+
+# Set in each child's environment (to the launcher's pid): a child other
+# than process 0 then leaves the line of a stop before its first step to
+# process 0 (``loc_opt.train.run_errors``).
+CHILD_ENV = 'LOC_OPT_LOCAL_LAUNCH'
+# Once a child stopped on the launcher's signal before its first step
+# (code 143), how long the others may take to stop too.
+STOP_GRACE_S = 5.0
 
 
 def core_shares(cores: Sequence[int], num_processes: int) -> list[set[int]]:
@@ -127,7 +140,8 @@ def _start(command, i, num_processes, port, cores):
     return subprocess.Popen(
         [sys.executable, '-c', _PRELUDE, str(os.getpid()), *command,
          *process_flags(num_processes, i, port)],
-        start_new_session=True)
+        start_new_session=True,
+        env=dict(os.environ, **{CHILD_ENV: str(os.getpid())}))
   finally:
     os.sched_setaffinity(0, own)
 
@@ -139,6 +153,21 @@ def _signal_all(procs, sig) -> None:
         os.killpg(p.pid, sig)
       except ProcessLookupError:
         pass
+
+
+def _stopped_before_training(procs, signum: int, over: bool) -> int:
+  """The launcher's code once its children stopped on its signal before
+  their first step: ``128 + signum`` (143, 130). Kills those still running
+  when ``over`` (they wait for one that left); says so in one line when
+  process 0 could not (a signal's default action ended it)."""
+  if over:
+    _signal_all(procs, signal.SIGKILL)
+  codes = [p.wait() for p in procs]
+  if over or codes[0] < 0:
+    print(f'local_launch: stopped on {signal.Signals(signum).name} before '
+          'the first step; nothing was saved (run the same command to '
+          'start or resume)', file=sys.stderr)
+  return 128 + signum
 
 
 def run(command: Sequence[str], num_processes: int, *, pin: bool = True,
@@ -167,14 +196,25 @@ def run(command: Sequence[str], num_processes: int, *, pin: bool = True,
     else:
       _signal_all(procs, signal.SIGTERM)
 
+  def stopped(code):  # a child stopped on the forwarded notice, unsaved
+    return (bool(interrupts) and code is not None
+            and exit_code(code) == 128 + signal.SIGTERM)
+
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     for i in range(num_processes):
       procs.append(_start(command, i, num_processes, port, shares[i]))
+    first_stop = None
     while True:
       codes = [p.poll() for p in procs]
-      failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+      failed = [i for i, c in enumerate(codes)
+                if c not in (None, 0) and not stopped(c)]
+      if any(c is not None and stopped(c) for c in codes):
+        first_stop = first_stop or time.monotonic()
+        over = time.monotonic() - first_stop > STOP_GRACE_S
+        if over or (all(c is not None for c in codes) and not failed):
+          return _stopped_before_training(procs, interrupts[0], over)
       if failed:
         _signal_all(procs, signal.SIGKILL)
         for p in procs:

@@ -32,13 +32,24 @@ step to save at: a watch created with ``startup=True``, and
 :class:`Interrupted` right away (Python runs the handler between
 bytecodes, so a compile in progress ends first): one line, exit code 128 +
 the signal (130, 143); nothing is half-written (a checkpoint is only
-written by the loop). With several processes JAX's preemption service
-keeps SIGTERM; a SIGTERM during startup is then acted on at the first step.
+written by the loop). With several processes the same holds: JAX's
+preemption service has SIGTERM (its C handler, installed by
+``jax.distributed.initialize``), so on Linux the startup handler takes it
+over, keeping JAX's raw ``sigaction`` to give back when training starts
+(``signal.signal`` cannot put back a handler not set from Python). A
+SIGTERM to the ``--local_processes`` launcher reaches every process, which
+all exit 143; one to a single process ends it with 143, and the launcher
+stops the others. (Left to JAX, a notice before the first step set the
+sync point to call 1, which a resumed run, asking at its own step numbers,
+never met: it trained on to the end.)
 """
 
 import contextlib
+import ctypes
+import functools
 import os
 import signal
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -99,25 +110,100 @@ def _main_thread() -> bool:
   return threading.current_thread() is threading.main_thread()
 
 
+# struct sigaction, read and written whole as opaque bytes (152 bytes on
+# Linux x86-64 and aarch64; the rest of the buffer is left alone).
+_SIGACTION_BYTES = 256
+# The raw action of a handler not set from Python that _install replaced,
+# per signal: JAX's preemption notifier's for SIGTERM.
+_foreign: dict[int, bytes] = {}
+
+
+@functools.cache
+def _libc() -> Any:
+  if not sys.platform.startswith('linux'):
+    return None
+  return ctypes.CDLL(None, use_errno=True)
+
+
+def _action(signum: int) -> bytes | None:
+  """The kernel's action for ``signum`` (``sigaction``), or ``None`` off
+  Linux."""
+  libc = _libc()
+  if libc is None:
+    return None
+  buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+  if libc.sigaction(int(signum), None, buf) != 0:
+    return None
+  return buf.raw
+
+
+def _set_action(signum: int, action: bytes) -> None:
+  buf = ctypes.create_string_buffer(action, len(action))
+  if _libc().sigaction(int(signum), buf, None) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f'sigaction({signal.Signals(signum).name}) failed: '
+                  f'{os.strerror(err)}')
+
+
+def _handler_address(action: bytes) -> int:
+  return int.from_bytes(action[:ctypes.sizeof(ctypes.c_void_p)],
+                        sys.byteorder)
+
+
+def _install(sigs, handler) -> dict[int, tuple[Any, bytes | None]]:
+  """Sets the Python ``handler`` for ``sigs``. Returns, per signal, what
+  :func:`_put_back` needs: the Python handler before and, when the one
+  before was not set from Python (a C handler, as JAX's preemption
+  notifier's for SIGTERM), its raw action."""
+  saved = {}
+  for s in sigs:
+    before = _action(s)
+    py = signal.signal(s, handler)
+    after = _action(s)
+    foreign = (before is not None and after is not None
+               and _handler_address(before) not in (
+                   int(signal.SIG_DFL), int(signal.SIG_IGN),
+                   _handler_address(after)))
+    if foreign:
+      _foreign[s] = before
+    saved[s] = (py, before if foreign else None)
+  return saved
+
+
+def _put_back(saved: dict[int, tuple[Any, bytes | None]]) -> None:
+  for s, (py, action) in saved.items():
+    if action is not None:
+      _set_action(s, action)
+    else:  # None: not set from Python; the default is closest.
+      signal.signal(s, signal.SIG_DFL if py is None else py)
+
+
+def _startup_signals(sync: bool) -> list[int]:
+  """The signals a startup handler takes: SIGINT, and SIGTERM unless JAX's
+  preemption service has it and its raw action cannot be kept (off
+  Linux)."""
+  take_term = not sync or _action(signal.SIGTERM) is not None
+  return [signal.SIGINT] + ([signal.SIGTERM] if take_term else [])
+
+
 @contextlib.contextmanager
 def startup_signals(when: str = 'during startup (before the first step)'
                     ) -> Iterator[None]:
-  """Inside the block, SIGINT (and SIGTERM, unless JAX's preemption service
-  has it) raise :class:`Interrupted` at once; the handlers before are put
-  back after. Only from the main thread (elsewhere: nothing changes)."""
+  """Inside the block, SIGINT and SIGTERM (JAX's preemption service's
+  too, see the module doc) raise :class:`Interrupted` at once; the
+  handlers before are put back after. Only from the main thread
+  (elsewhere: nothing changes)."""
   def handler(signum, frame):
     del frame
     _interrupt(signum, when)
 
   previous = {}
   if _main_thread():
-    sigs = [signal.SIGINT] + ([] if _sync_service() else [signal.SIGTERM])
-    previous = {s: signal.signal(s, handler) for s in sigs}
+    previous = _install(_startup_signals(_sync_service()), handler)
   try:
     yield
   finally:
-    for s, h in previous.items():
-      signal.signal(s, signal.SIG_DFL if h is None else h)
+    _put_back(previous)
 
 
 class PreemptionWatch:
@@ -135,15 +221,24 @@ class PreemptionWatch:
     self.signal: str | None = None
     self._startup = startup
     self._signalled = False
-    self._previous: dict[int, Any] = {}
+    self._previous: dict[int, tuple[Any, bytes | None]] = {}
     self._sync = _sync_service()
+    self._calls = 0  # calls of reached(): JAX's sync point counts them
     if _main_thread():
-      sigs = [signal.SIGINT] + ([] if self._sync else [signal.SIGTERM])
-      self._previous = {s: signal.signal(s, self._on_signal) for s in sigs}
+      sigs = (_startup_signals(self._sync) if startup or not self._sync
+              else [signal.SIGINT])
+      self._previous = _install(sigs, self._on_signal)
 
   def start_training(self) -> None:
-    """From now on a signal is acted on at the next step (saved)."""
+    """From now on a signal is acted on at the next step (saved); with
+    JAX's preemption service, SIGTERM goes back to it."""
     self._startup = False
+    if self._sync and signal.SIGTERM in self._previous:
+      saved = {signal.SIGTERM: self._previous.pop(signal.SIGTERM)}
+      if signal.SIGTERM in _foreign:  # past any startup handler outside
+        _set_action(signal.SIGTERM, _foreign[signal.SIGTERM])
+      else:
+        _put_back(saved)
 
   def _on_signal(self, signum, frame) -> None:
     del frame
@@ -162,7 +257,12 @@ class PreemptionWatch:
   def reached(self, step: int) -> bool:
     """Whether the run should save at ``step`` and stop (ask every step)."""
     if self._sync:
-      hit = multihost_utils.reached_preemption_sync_point(step)
+      # JAX's service sets the sync point at the largest count any process
+      # passed, plus one (0 before the first call), and says True only at
+      # that count: the calls are counted, not the steps, which start past
+      # 1 in a resumed run and may advance by several (a window).
+      self._calls += 1
+      hit = multihost_utils.reached_preemption_sync_point(self._calls)
     else:
       hit = self._signalled
     if hit and self.step is None:
@@ -181,9 +281,7 @@ class PreemptionWatch:
 
   def close(self) -> None:
     """Puts back the handlers that were there before."""
-    for s, h in self._previous.items():
-      # None: the handler was not set from Python; the default is closest.
-      signal.signal(s, signal.SIG_DFL if h is None else h)
+    _put_back(self._previous)
     self._previous = {}
 
   def __enter__(self) -> 'PreemptionWatch':

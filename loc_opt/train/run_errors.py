@@ -24,6 +24,7 @@ from typing import Iterator
 
 from loc_opt.train import checkpoint as ckpt_lib
 from loc_opt.train import faults
+from loc_opt.train import local_launch
 from loc_opt.train import preemption
 from loc_opt.train import workdir_lock
 
@@ -43,6 +44,23 @@ def _exit(text: str, code: int) -> None:
   sys.exit(code)
 
 
+def _several_processes() -> bool:
+  if 'jax' not in sys.modules:
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _quiet_stop() -> bool:
+  """Whether this is a ``--local_processes`` child other than process 0,
+  which leaves the line of a signal before the first step to process 0
+  (every child got the signal) or to the launcher (only this one did)."""
+  if not os.environ.get(local_launch.CHILD_ENV) or not _several_processes():
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index() != 0
+
+
 @contextlib.contextmanager
 def one_line(workdir: str | os.PathLike) -> Iterator[None]:
   """Inside the block, a fault of the run ends the program in one line
@@ -50,7 +68,17 @@ def one_line(workdir: str | os.PathLike) -> Iterator[None]:
   try:
     yield
   except preemption.Interrupted as e:
-    _exit(str(e), e.exit_code)
+    if not _quiet_stop():
+      print(' '.join(str(e).split()), file=sys.stderr, flush=True)
+    if _several_processes():
+      # Not through jax.distributed's shutdown, whose barrier waits for
+      # the other processes: one may be inside a collective (Orbax's
+      # restore barrier) with this one, which Python cannot interrupt and
+      # which never ends. Nothing of the run is open: the lock is given
+      # back, nothing was written.
+      sys.stdout.flush()
+      os._exit(e.exit_code)
+    sys.exit(e.exit_code)
   except (workdir_lock.WorkdirLockedError, faults.NonFiniteError,
           ckpt_lib.CheckpointError) as e:
     if os.environ.get(TRACEBACK_ENV, '') not in ('', '0'):

@@ -4,6 +4,7 @@ one run as several local processes, each pinned to its share of the cores."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,3 +271,83 @@ def test_sigterm_to_local_processes_saves_and_resumes_exactly(tmp_path):
   # the resume replays them on the restored state: bit for bit.
   assert s_run['final_eval_loss'] == s_full['final_eval_loss']
   assert s_run['final_train_loss'] == s_full['final_train_loss']
+
+
+@pytest.fixture(scope='module')
+def halted_at_4(tmp_path_factory):
+  """A 2-process run halted with its checkpoint at step 4 (copy it)."""
+  workdir = tmp_path_factory.mktemp('halted') / 'run'
+  halted = _train(workdir, '--local_processes=2', halt_after_steps=4,
+                  checkpoint_every=4)
+  assert halted.returncode == 0, halted.stderr[-3000:]
+  assert ckpt_lib.latest_step(workdir) == 4
+  return workdir
+
+
+def _child(parent: int, process_id: int) -> int:
+  """The pid of the launcher ``parent``'s child ``process_id``."""
+  for stat in pathlib.Path('/proc').glob('[0-9]*/stat'):
+    try:
+      ppid = int(stat.read_text().rsplit(')', 1)[1].split()[1])
+      args = (stat.parent / 'cmdline').read_bytes().split(b'\0')
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+      continue
+    if ppid == parent and f'--process_id={process_id}'.encode() in args:
+      return int(stat.parent.name)
+  raise AssertionError(f'no process {process_id} under {parent}')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('target', ['launcher', 'process 1'])
+def test_sigterm_while_local_processes_restore_stops_them_at_once(
+    tmp_path, halted_at_4, target):
+  """A preemption notice while a resumed --local_processes run restores
+  its checkpoint, to the launcher or to one process: the whole job exits
+  within seconds, 143 with one line, the checkpoint as it was. Before,
+  JAX's preemption service took the SIGTERM and set its sync point at call
+  1, which the resumed run (asking at step 4 on) never met: it trained on
+  to the end; and a process that stopped left another waiting in Orbax's
+  restore barrier, and itself in jax.distributed's shutdown barrier."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(halted_at_4, workdir)
+  saved = sorted(p.name for p in (workdir / 'checkpoints').iterdir())
+  proc = subprocess.Popen(
+      _train_cmd(workdir, '--local_processes=2', checkpoint_every=4),
+      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, start_new_session=True)
+  try:
+    err = ''
+    for line in proc.stderr:  # the run ends, or the line comes
+      err += line
+      if 'restoring the checkpoint at step 4' in line:
+        break
+    assert 'restoring' in err, err[-3000:]
+    if target == 'launcher':
+      proc.send_signal(signal.SIGTERM)
+    else:
+      os.kill(_child(proc.pid, 1), signal.SIGTERM)
+    sent = time.monotonic()
+    out, rest = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+  err += rest
+  lines = [l for l in (err + out).splitlines()
+           if l.startswith(('interrupted', 'local_launch', 'preempted'))]
+  assert took < 15, (took, lines)
+  assert 'Traceback' not in err, err[-3000:]
+  assert len(lines) == 1, lines
+  if proc.returncode == 0:  # the notice came as training started: saved
+    assert lines[0].startswith('preempted: saved a checkpoint at step '), \
+        lines
+    assert ckpt_lib.latest_step(workdir) in (4, 5)
+    return
+  assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out,
+                                                   lines, err[-3000:])
+  assert ('interrupted by SIGTERM during startup' in lines[0]
+          if target == 'launcher' else
+          'process 1 of 2 exited with code 143' in lines[0]), lines
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == saved
+  assert not (workdir / 'summary.json').exists()
