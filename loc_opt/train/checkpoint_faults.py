@@ -49,7 +49,7 @@ def lost_peer(error: BaseException) -> str | None:
   checkpoint being read."""
   if jax.process_count() < 2:
     return None
-  for e in chain(error):
+  for e in reversed(chain(error)):  # the innermost says it best
     text = str(e)
     if 'Gloo' in text or 'coordination service' in text:
       return first_line(text)
