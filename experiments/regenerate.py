@@ -166,7 +166,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         '--outer_lrs=0.7,0.4,1.0,0.2,1.4', '--outer_momenta=0.9,0.5,0.3,0.0',
         '--diloco_inner_lrs=3e-3',
         '--method_inner_lrs=diloco_m1=6e-3,0.2M:diloco_m1=1.2e-2,'
-        '0.2M:diloco_m4=1.2e-2', '--seeds=1,2',
+        '0.2M:diloco_m4=1.2e-2,0.2M:diloco_m2=1.2e-2', '--seeds=1,2',
         '--simulate_workers', '--cpu_devices=1', '--config.mesh.workers=1',
         '--config.mesh.data=1'), 'docs/claims.md'),
     # The same comparison at 50 tokens per parameter (0.2M, 2400 steps) at
