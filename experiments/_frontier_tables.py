@@ -91,7 +91,8 @@ def sentence(data: dict[str, Any]) -> str:
                    f'loss the largest reduction of cross-worker bytes is '
                    f'{w["reduction"]:,.0f}x ({w["label"]}, '
                    f'{w["final_eval_loss"]:.4f})')
-  if all(w['name'] is None for w in res['within']):
+  others = [r for r in res['rows'] if r['family'] != 'data-parallel']
+  if others and all(w['name'] is None for w in res['within']):
     parts.append(_closest(best_rows(res['rows'])))
   s = res['setup']
   size = f'the {s["size"]} LM, ' if 'size' in s else ''

@@ -108,7 +108,7 @@ def main(argv):
     family, label, _, knob = RUNS[name]
     if knob is not None:
       label += f' ({knob[0].split("__")[-1]} {value:g})'
-    s = _runs.run(c, run_dir, label)
+    s = _runs.read_back(c, run_dir, label) or _runs.run(c, run_dir, label)
     rows.append({'name': run_dir_name(name, value), 'run': name,
                  'family': family, 'label': label, 'knob_value': value,
                  'final_eval_loss': s['final_eval_loss'],

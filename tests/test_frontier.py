@@ -60,6 +60,8 @@ def test_front_and_the_largest_reduction_within_each_margin():
   assert 'no method is within 2%' in text
   assert 'the closest is c at +20.0% with 1,000x fewer bytes' in text
   assert _frontier_tables.frontier_headline({'results': res}) == text + '\n'
+  res = _frontier_tables.results(rows[:1], setup, ['a'])  # data-parallel only
+  assert 'closest' not in _frontier_tables.sentence({'results': res})
   res = _frontier_tables.results(rows[1:], setup, [])
   assert _frontier_tables.sentence({'results': res}).startswith(
       'No data-parallel run yet')
