@@ -255,14 +255,20 @@ class Store:
     if not saved:
       raise FileExistsError(f'payload {learner}/{seq} exists')
 
-  def read_payload_meta(self, learner: str, seq: int) -> dict[str, Any]:
-    mngr = self._reader(f'p/{learner}', self.root / PAYLOADS / learner,
-                        ('delta', 'meta'))
+  def _read_meta(self, key: str, path: epath.Path, items, seq: int, what: str
+                 ) -> dict[str, Any]:
+    """The ``meta`` item of step ``seq`` under ``path``; :class:`Gone`
+    (naming ``what``) when it cannot be read."""
+    mngr = self._reader(key, path, items)
     try:
       return mngr.restore(seq, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))['meta']
     except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
-      raise Gone(f'payload {learner}/{seq}: {e}') from e
+      raise Gone(f'{what}: {e}') from e
+
+  def read_payload_meta(self, learner: str, seq: int) -> dict[str, Any]:
+    return self._read_meta(f'p/{learner}', self.root / PAYLOADS / learner,
+                           ('delta', 'meta'), seq, f'payload {learner}/{seq}')
 
   def read_payload(self, learner: str, seq: int,
                    delta_like: Any | None = None) -> Payload:
@@ -332,13 +338,9 @@ class Store:
 
   def read_learner_state_meta(self, learner: str, seq: int
                               ) -> dict[str, Any]:
-    mngr = self._reader(f'l/{learner}', self.root / LEARNERS / learner,
-                        ('state', 'meta'))
-    try:
-      return mngr.restore(seq, args=ocp.args.Composite(
-          meta=ocp.args.JsonRestore()))['meta']
-    except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
-      raise Gone(f'inner state {learner}/{seq}: {e}') from e
+    return self._read_meta(f'l/{learner}', self.root / LEARNERS / learner,
+                           ('state', 'meta'), seq,
+                           f'inner state {learner}/{seq}')
 
   def newest_peer_state(self, learner: str, *, now: float,
                         liveness_s: float) -> dict[str, Any] | None:
