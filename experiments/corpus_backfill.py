@@ -12,10 +12,15 @@ Such a fingerprint carries ``derived``, saying so. Every other run (another
 Python, a copied source directory) is left without one, and the file's
 record lists it as unknown, which ``python -m experiments.tables --check``
 reports. A file without runs gets ``reads_text`` False when its program
-reads no text (:data:`READS_NO_TEXT`), else None (unknown). Files that
+reads no text (:data:`READS_NO_TEXT`); else, when its provenance names this
+interpreter's Python, a clean commit and no ``--config.data.*`` flag, the
+fingerprint of the data fields of its config as that commit wrote them
+(:func:`config_data_at`, read from ``git archive`` of the commit), marked
+``derived``; else None (unknown). Files that
 have a record are left alone, unless ``--unknown_runs``: then their runs
 without a fingerprint (trained before fingerprints were kept, and read back
-since) get one where it can be known, and the record is made again.
+since) get one where it can be known, and the record is made again (a
+runless file whose text was unknown too).
 
   python -m experiments.corpus_backfill --unknown_runs \
     --results_dir=docs/results --only=claims_long
@@ -23,10 +28,15 @@ since) get one where it can be known, and the record is made again.
 
 import argparse
 import datetime
+import io
 import json
 import pathlib
 import platform
+import re
+import subprocess
 import sys
+import tarfile
+import tempfile
 from typing import Any
 
 from experiments import _runs
@@ -57,6 +67,79 @@ def _derive(run: dict[str, Any], today: str) -> dict[str, Any] | None:
   return {**fp, 'from_step': 0}
 
 
+# Prints the data fields of a config file (argv: path[:arg]), run inside an
+# archive of the commit that made a results file.
+_PRINT_DATA = """
+import importlib.util, json, sys
+path, _, arg = sys.argv[1].partition(':')
+spec = importlib.util.spec_from_file_location('config_at_commit', path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+config = module.get_config(arg) if arg else module.get_config()
+print(json.dumps(config.data.to_dict(), default=list))
+"""
+
+
+def config_data_at(command: list[str], commit: str,
+                   repo: pathlib.Path = tables.REPO) -> dict[str, Any] | None:
+  """The data fields a program's run of ``command`` read at ``commit``.
+
+  The config is ``--config=`` of the command, else the program's default
+  (its ``DEFINE_config_file('config', ...)`` at that commit); it is loaded
+  from an archive of the commit by this interpreter. None when the command
+  sets data fields by flag (``--config.data.*``) or the commit or config
+  cannot be read.
+  """
+  if any(a.startswith('--config.data') for a in command) or len(command) < 3:
+    return None
+  config = next((a.split('=', 1)[1] for a in command
+                 if a.startswith('--config=')), None)
+
+  def show(path):
+    got = subprocess.run(['git', 'show', f'{commit}:{path}'], cwd=repo,
+                         capture_output=True, text=True, check=False)
+    return got.stdout if got.returncode == 0 else None
+
+  if config is None:
+    source = show(command[2].replace('.', '/') + '.py') or ''
+    found = re.search(r"DEFINE_config_file\(\s*'config',\s*'([^']+)'", source)
+    config = found and found.group(1)
+  if not config:
+    return None
+  archive = subprocess.run(['git', 'archive', commit], cwd=repo,
+                           capture_output=True, check=False)
+  if archive.returncode != 0:
+    return None
+  with tempfile.TemporaryDirectory() as tmp:
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+      tar.extractall(tmp, filter='data')
+    got = subprocess.run([sys.executable, '-c', _PRINT_DATA, config],
+                         cwd=tmp, env={'PYTHONPATH': tmp, 'PATH': ''},
+                         capture_output=True, text=True, check=False)
+  return json.loads(got.stdout) if got.returncode == 0 else None
+
+
+def _derive_runless(data: dict[str, Any], today: str) -> dict[str, Any] | None:
+  """A runless file's corpus record where this machine can know its text."""
+  from loc_opt import data as data_lib  # pylint: disable=g-import-not-at-top
+  prov = data.get('provenance', {})
+  python = prov.get('packages', {}).get('python')
+  if (python != platform.python_version() or prov.get('dirty', True)
+      or not prov.get('commit')):
+    return None
+  fields = config_data_at(data.get('command', []), prov['commit'])
+  if (not fields or fields.get('dataset') != 'local_text'
+      or fields.get('source_dirs') or fields.get('corpus_file')):
+    return None
+  fp = data_lib.corpus_fingerprint(fields)
+  fp['derived'] = (
+      f'recomputed {today} by experiments.corpus_backfill from the Python '
+      f'{python} standard library of this machine: the file recorded Python '
+      f'{python}, commit {prov["commit"][:10]} and no data flags, and the '
+      'data fields are its config\'s at that commit, not its text')
+  return {'fingerprints': [fp], 'unknown_runs': [], 'reads_text': True}
+
+
 def backfill(data: dict[str, Any], today: str) -> dict[str, Any]:
   """The ``corpus`` record for results ``data`` (its runs get theirs)."""
   runs = data.get('runs', [])
@@ -66,6 +149,9 @@ def backfill(data: dict[str, Any], today: str) -> dict[str, Any]:
     if module in READS_NO_TEXT:
       return {'fingerprints': [], 'unknown_runs': [], 'reads_text': False,
               'note': f'experiments.{module} reads no text'}
+    derived = _derive_runless(data, today)
+    if derived is not None:
+      return derived
     return {'fingerprints': [], 'unknown_runs': [], 'reads_text': None,
             'note': f'experiments.{module} read the text of its config '
                     'before corpus fingerprints were kept'}
@@ -105,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if only and path.stem not in only:
       continue
     data = json.loads(path.read_text())
+    record = data.get('corpus') if isinstance(data, dict) else None
+    unknown = record is not None and (record.get('unknown_runs')
+                                      or record.get('reads_text') is None)
     if not isinstance(data, dict) or (
-        'corpus' in data and not (args.unknown_runs
-                                  and data['corpus'].get('unknown_runs'))):
+        'corpus' in data and not (args.unknown_runs and unknown)):
       continue
     data['corpus'] = backfill(data, today)
     rec = data['corpus']

@@ -3,6 +3,7 @@ with this machine's (experiments.tables.corpus_report)."""
 
 import json
 import platform
+import subprocess
 
 from experiments import _runs
 from experiments import corpus_backfill
@@ -112,3 +113,30 @@ def test_backfill_derives_only_what_this_machine_can_know(tmp_path):
   assert data['corpus']['unknown_runs'] == []
   assert data['runs'][0]['corpus']['from_step'] == 0
   assert 'derived' in data['runs'][0]['corpus']
+
+
+def test_backfill_reads_a_runless_files_config_at_its_commit():
+  """A timing benchmark's file has no runs: its text is its config's data
+  fields at the commit that made it, read here only without data flags."""
+  head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=tables.REPO,
+                        capture_output=True, text=True, check=True).stdout
+  command = ['python', '-m', 'experiments.step_ab',
+             '--config=configs/diloco_lm.py', '--config.model.num_layers=4']
+  fields = corpus_backfill.config_data_at(command, head.strip())
+  assert fields['max_bytes'] == 8_000_000 and fields['seq_len'] == 128
+  here = platform.python_version()
+  data = {'command': command, 'provenance': {
+      'commit': head.strip(), 'dirty': False,
+      'packages': {'python': here}}}
+  record = corpus_backfill.backfill(data, '2026-01-01')
+  assert record['reads_text'] is True and not record['unknown_runs']
+  assert record['fingerprints'][0]['sha256'] == data_lib.corpus_fingerprint(
+      fields)['sha256']
+  assert 'derived' in record['fingerprints'][0]
+  # A data flag, a dirty tree or another Python: the text stays unknown.
+  assert corpus_backfill.config_data_at(
+      command + ['--config.data.max_bytes=100'], head.strip()) is None
+  for prov in ({'dirty': True}, {'packages': {'python': '3.13.0'}}):
+    unknown = corpus_backfill.backfill(
+        {**data, 'provenance': {**data['provenance'], **prov}}, '2026-01-01')
+    assert unknown['reads_text'] is None and not unknown['fingerprints']
