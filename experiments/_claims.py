@@ -473,6 +473,88 @@ def qsr_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+# The results files of experiments.qsr: the short study, and longer runs of
+# a smaller model (--size) with the inner lr picked first (--peak_lrs).
+QSR_RESULTS_NAMES = ('qsr', 'qsr_budget')
+
+
+def best_lr(rows) -> float:
+  """The learning rate of the row with the lowest final eval loss."""
+  if not rows:
+    raise ValueError('no runs to pick a learning rate from')
+  return min(rows, key=lambda r: r['final_eval_loss'])['learning_rate']
+
+
+def mean_sd(values) -> tuple[float, float | None]:
+  """Mean and sample standard deviation (None for one value)."""
+  n = len(values)
+  mean = sum(values) / n
+  if n < 2:
+    return mean, None
+  return mean, (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+
+
+def _loss_cell(values) -> str:
+  mean, sd = mean_sd(values)
+  return f'{mean:.4f}' + (f' +- {sd:.4f}' if sd is not None else '')
+
+
+def qsr_budget_main(data: dict[str, Any]) -> str:
+  """QSR against its constant twin, with the seed spread: final eval loss
+  (mean +- sd over seeds, and each seed), and the per-seed paired
+  difference QSR - twin; the inner-lr check first."""
+  res = data['results']
+  s, rows = res['setup'], res['rows']
+  kw = s['schedule_kwargs']
+  where = ('stacked on one device (simulated: the same numerics, no bytes '
+           'measured)' if s.get('simulated_workers')
+           else f'x {s["devices"] // s["workers"]} devices')
+  model = f'{s["size"]} LM' if s.get('size') else "config's LM"
+  lines = [f'The {model}, {s["num_steps"]} steps x '
+           f'{s["batch_size"]} x {s["seq_len"]} tokens, M = {s["workers"]} '
+           f'workers {where}, `outer.method={s["method"]}` (parameter '
+           f'averaging), inner {s["optimizer"]} at peak lr '
+           f'{s["learning_rate"]:g} ({s["schedule"]}, '
+           f'{", ".join(f"{k} {v}" for k, v in kw.items())}); QSR with '
+           f'H_base = {s["base_period"]}, each alpha the one that makes its '
+           'number of syncs; its twin is the constant H with the same syncs '
+           '(same bytes).']
+  if res.get('lr_check'):
+    tried = ', '.join(f'{r["learning_rate"]:g}: {r["final_eval_loss"]:.4f}'
+                      for r in res['lr_check'])
+    lines += ['', f'Inner peak lr, constant H = {s["base_period"]}, seed '
+              f'{res["lr_check"][0]["seed"]} (final eval loss): {tried}; the '
+              f'runs below use {s["learning_rate"]:g}.']
+  lines += ['', '| rule | syncs | final eval loss (mean +- sd) | each seed | '
+            'vs twin | QSR - twin per seed (mean +- sd) |',
+            '|---|---|---|---|---|---|']
+  groups: dict[str, dict[int, float]] = {}
+  first: dict[str, dict] = {}
+  for r in rows:
+    groups.setdefault(r['name'], {})[r['seed']] = r['final_eval_loss']
+    first.setdefault(r['name'], r)
+  for name, got in groups.items():
+    r = first[name]
+    rule = (f'QSR, alpha {r["knob"]:.4g}' if r['rule'] == 'qsr'
+            else f'constant H = {r["knob"]:g}')
+    twin = groups.get(f'constant_h{s["num_steps"] // (r["pair"] or 1)}', {})
+    gap = paired = ''
+    if r['rule'] == 'qsr' and twin:
+      loss, other = mean_sd(list(got.values()))[0], mean_sd(
+          list(twin.values()))[0]
+      gap = f'{100 * (loss / other - 1):+.2f}%'
+      diffs = [got[k] - twin[k] for k in got if k in twin]
+      mean, sd = mean_sd(diffs)
+      paired = (f'{mean:+.4f}' + (f' +- {sd:.4f}' if sd is not None else '')
+                + f' ({len(diffs)} seed{"s" * (len(diffs) != 1)})')
+    each = ', '.join(f'{v:.4f}' for _, v in sorted(got.items()))
+    lines.append(f'| {rule} | {r["syncs"]} | {_loss_cell(list(got.values()))}'
+                 f' | {each} | {gap} | {paired} |')
+  if res.get('pending'):
+    lines += ['', f'Not run yet: {", ".join(res["pending"])}.']
+  return '\n'.join(lines) + '\n'
+
+
 _registry.tables({
     ('claims', 'main'): claims_main,
     ('claims', 'sweep'): claims_sweep,
@@ -480,6 +562,7 @@ _registry.tables({
     ('claims_long', 'sweep'): claims_sweep,
     ('claims_budget', 'main'): claims_main,
     ('qsr', 'main'): qsr_main,
+    ('qsr_budget', 'main'): qsr_budget_main,
 })
 _registry.figure('claims', claims_figure, 'figures/claims.png')
 _registry.figure('claims_long', claims_figure, 'figures/claims_long.png')

@@ -23,8 +23,20 @@ table reports both losses and their difference.
     [--num_steps=600] [--base_period=10] [--syncs=30,15] [--workers=4] \
     [--seeds=0,1,2]
 
-Finished runs are read back and an interrupted one resumes; ``qsr.json`` is
-rewritten after every run.
+Longer runs of a smaller model (``--size``, a model of
+``experiments._claims.SIZES``), with the workers stacked on one device
+(``--simulate_workers``: the same numerics, no bytes measured) and the inner
+peak lr picked first (``--peak_lrs``: the constant ``H_base`` run of the
+first seed at each, the lowest final eval loss wins), into their own results
+file:
+
+  python -m experiments.qsr --workdir=/tmp/qsr_budget --size=0.2M \
+    --num_steps=1000 --syncs=50,25 --peak_lrs=0.012,0.024 \
+    --simulate_workers --cpu_devices=1 --config.mesh.workers=1 \
+    --config.mesh.data=1 --results_name=qsr_budget
+
+Finished runs are read back and an interrupted one resumes; the results file
+is rewritten after every run.
 """
 
 import copy
@@ -49,41 +61,55 @@ _WORKERS = flags.DEFINE_integer('workers', 4, 'Workers M.')
 _NUM_STEPS = flags.DEFINE_integer('num_steps', 600, 'Steps of every run.')
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds of every run.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Virtual CPU devices.')
+_SIZE = flags.DEFINE_enum(
+    'size', None, list(_claims.SIZES), 'A model size of the claims study '
+    '(experiments._claims.SIZES) instead of the config\'s model.')
+_SIMULATE = flags.DEFINE_bool(
+    'simulate_workers', False, 'Stack the M workers on every device '
+    '(mesh.simulate_workers: the same numerics, no bytes measured), e.g. on '
+    'one device with --cpu_devices=1 --config.mesh.workers=1 '
+    '--config.mesh.data=1.')
+_PEAK_LRS = flags.DEFINE_list(
+    'peak_lrs', [], 'Inner peak learning rates to try first: the constant '
+    'H_base run of the first seed at each; the grid runs at the one with '
+    'the lowest final eval loss (empty: the config\'s).')
+_RESULTS_NAME = flags.DEFINE_enum(
+    'results_name', 'qsr', _claims.QSR_RESULTS_NAMES,
+    'The results file (NAME.json) this study writes.')
 flags.mark_flag_as_required('workdir')
 
 
-def main(argv):
-  del argv
-  _runs.setup(_CPU_DEVICES.value)
+def _base_config():
+  """The config every run varies: size, steps, H_base and the mesh."""
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
   base.num_steps = _NUM_STEPS.value
   base.eval_every = base.checkpoint_every = max(_NUM_STEPS.value // 6, 1)
   devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
              * base.mesh.tensor)
-  m = _WORKERS.value
-  if m < 2 or devices % m or base.batch_size % m:
-    raise app.UsageError(f'--workers={m} must be >= 2 and divide the '
-                         f'{devices} devices and batch_size {base.batch_size}')
+  m, simulate = _WORKERS.value, _SIMULATE.value
+  if m < 2 or (devices % m and not simulate) or base.batch_size % m:
+    raise app.UsageError(
+        f'--workers={m} must be >= 2 and divide batch_size '
+        f'{base.batch_size} and (without --simulate_workers) the {devices} '
+        'devices')
+  if not 1 <= _BASE.value <= base.num_steps:
+    raise app.UsageError(f'--base_period={_BASE.value} must be in '
+                         '[1, num_steps]')
+  model = {f'model__{k}': v
+           for k, v in _claims.SIZES.get(_SIZE.value, {}).items()}
+  base = _runs.variant(
+      base, outer__sync_every=_BASE.value, mesh__workers=m,
+      mesh__data=devices if simulate else devices // m,
+      mesh__simulate_workers=simulate, mesh__fsdp=1, mesh__tensor=1, **model)
+  return base, devices
+
+
+def _jobs(base, targets):
+  """``(name, rule, knob, pair, config)`` per run of a seed, the constant
+  H_base reference first, then each QSR run and its constant twin."""
   steps, h0 = base.num_steps, _BASE.value
-  if not 1 <= h0 <= steps:
-    raise app.UsageError(f'--base_period={h0} must be in [1, num_steps]')
-  try:
-    targets = [int(s) for s in _SYNCS.value]
-    seeds = [int(s) for s in _SEEDS.value]
-  except ValueError as e:
-    raise app.UsageError(f'--syncs and --seeds take integers: {e}') from e
-  for n in targets:
-    if steps % n or not 1 <= n < steps // h0:
-      raise app.UsageError(
-          f'--syncs={n} must divide num_steps {steps} (the constant twin '
-          f'H = num_steps / syncs) and be fewer than {steps // h0}, the '
-          f'syncs of H_base {h0}')
-  base = _runs.variant(base, outer__sync_every=h0, mesh__workers=m,
-                       mesh__data=devices // m, mesh__fsdp=1, mesh__tensor=1)
-  # (name, rule, knob, pair, config); the reference run first.
-  jobs = [(f'constant_h{h0}', 'constant', h0, None,
-           _runs.variant(base, outer__sync_every=h0))]
+  jobs = [(f'constant_h{h0}', 'constant', h0, None, base)]
   for n in targets:
     try:
       alpha = _claims.qsr_alpha_for(base, n)
@@ -93,34 +119,80 @@ def main(argv):
                  _claims.qsr_config(base, alpha)))
     jobs.append((f'constant_h{steps // n}', 'constant', steps // n, n,
                  _runs.variant(base, outer__sync_every=steps // n)))
+  return jobs
+
+
+def _run(job, seed, lr):
+  """Trains (or reads back) one run; its row."""
+  name, rule, knob, pair, c = job
+  c = _runs.variant(c, seed=seed, optimizer__learning_rate=lr)
+  label = (f'QSR alpha {knob:.4g}' if rule == 'qsr' else f'H = {knob}')
+  tail = f'_lr{lr:g}' if _PEAK_LRS.value else ''
+  s = _runs.run(c, os.path.join(_WORKDIR.value, f'{name}{tail}_s{seed}'),
+                f'{label}, lr {lr:g}, seed {seed}')
+  expected = _claims.count_syncs(c)
+  if s['syncs'] != expected:
+    raise SystemExit(f'{label}: the run synced {s["syncs"]} times, its '
+                     f'schedule says {expected}; the pairs would not move '
+                     'equal bytes')
+  row = {'name': name, 'rule': rule, 'knob': knob, 'pair': pair,
+         'seed': seed, 'learning_rate': lr, 'expected_syncs': expected,
+         'syncs': s['syncs'], 'final_eval_loss': s['final_eval_loss'],
+         'cross_worker_bytes': s['cross_worker_bytes'],
+         'steps': s['step'], 'curve': s['curve']['eval']}
+  if s.get('simulated_workers'):  # its bytes are not measured
+    row['simulated_workers'] = s['simulated_workers']
+    row['cross_worker_bytes'] = None
+  return row
+
+
+def main(argv):
+  del argv
+  _runs.setup(_CPU_DEVICES.value)
+  base, devices = _base_config()
+  steps, h0 = base.num_steps, _BASE.value
+  try:
+    targets = [int(s) for s in _SYNCS.value]
+    seeds = [int(s) for s in _SEEDS.value]
+    lrs = [float(v) for v in _PEAK_LRS.value]
+  except ValueError as e:
+    raise app.UsageError(f'--syncs, --seeds take integers and --peak_lrs '
+                         f'numbers: {e}') from e
+  for n in targets:
+    if steps % n or not 1 <= n < steps // h0:
+      raise app.UsageError(
+          f'--syncs={n} must divide num_steps {steps} (the constant twin '
+          f'H = num_steps / syncs) and be fewer than {steps // h0}, the '
+          f'syncs of H_base {h0}')
   setup = {'num_steps': steps, 'batch_size': base.batch_size,
-           'seq_len': base.data.seq_len, 'workers': m, 'devices': devices,
-           'base_period': h0, 'method': base.outer.method,
+           'seq_len': base.data.seq_len, 'workers': _WORKERS.value,
+           'devices': devices, 'base_period': h0, 'method': base.outer.method,
+           'size': _SIZE.value, 'simulated_workers': _SIMULATE.value,
            'optimizer': base.optimizer.name,
            'learning_rate': base.optimizer.learning_rate,
            'schedule': base.optimizer.schedule,
            'schedule_kwargs': dict(base.optimizer.schedule_kwargs)}
-  runs = [(j, s) for s in seeds for j in jobs]
-  rows = []
-  for i, ((name, rule, knob, pair, c), seed) in enumerate(runs):
-    c = _runs.variant(c, seed=seed)
-    label = (f'QSR alpha {knob:.4g}' if rule == 'qsr' else f'H = {knob}')
-    s = _runs.run(c, os.path.join(_WORKDIR.value, f'{name}_s{seed}'),
-                  f'{label}, seed {seed}')
-    expected = _claims.count_syncs(c)
-    if s['syncs'] != expected:
-      raise SystemExit(f'{label}: the run synced {s["syncs"]} times, its '
-                       f'schedule says {expected}; the pairs would not move '
-                       'equal bytes')
-    rows.append({'name': name, 'rule': rule, 'knob': knob, 'pair': pair,
-                 'seed': seed, 'expected_syncs': expected,
-                 'syncs': s['syncs'], 'final_eval_loss': s['final_eval_loss'],
-                 'cross_worker_bytes': s['cross_worker_bytes'],
-                 'steps': s['step'], 'curve': s['curve']['eval']})
-    results = {'setup': setup, 'rows': rows,
-               'pending': [f'{j[0]}_s{sd}' for j, sd in runs[i + 1:]]}
-    _runs.write(_WORKDIR.value, 'qsr',
-                tables.render('qsr', 'main', {'results': results}), results)
+  jobs = _jobs(base, targets)
+  check = [(jobs[0], seeds[0], lr) for lr in lrs]
+  results = {'setup': setup, 'lr_check': [], 'rows': []}
+
+  def write(pending):
+    results['pending'] = pending
+    _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
+                tables.render(_RESULTS_NAME.value, 'main',
+                              {'results': results}), results)
+
+  for i, (job, seed, lr) in enumerate(check):
+    results['lr_check'].append(_run(job, seed, lr))
+    write([f'{job[0]}_lr{x:g}_s{seed}' for _, _, x in check[i + 1:]])
+  if lrs:
+    setup['learning_rate'] = _claims.best_lr(results['lr_check'])
+  # The reference and the first pair over every seed, then the next pair.
+  groups = [jobs[:3]] + [jobs[k:k + 2] for k in range(3, len(jobs), 2)]
+  runs = [(j, s) for g in groups for s in seeds for j in g]
+  for i, (job, seed) in enumerate(runs):
+    results['rows'].append(_run(job, seed, setup['learning_rate']))
+    write([f'{j[0]}_s{sd}' for j, sd in runs[i + 1:]])
 
 
 if __name__ == '__main__':

@@ -32,6 +32,39 @@ def test_qsr_refuses_a_count_it_cannot_make():
     _claims.qsr_alpha_for(_qsr_base(), 2)
 
 
+def test_qsr_lr_check_picks_the_lowest_loss_and_refuses_none():
+  rows = [{'learning_rate': 0.012, 'final_eval_loss': 1.52},
+          {'learning_rate': 0.024, 'final_eval_loss': 1.49}]
+  assert _claims.best_lr(rows) == 0.024
+  with pytest.raises(ValueError, match='no runs'):
+    _claims.best_lr([])
+
+
+def test_qsr_budget_table_pairs_each_seed_with_its_twin():
+  setup = {'num_steps': 100, 'batch_size': 8, 'seq_len': 16, 'workers': 4,
+           'devices': 1, 'base_period': 5, 'method': 'local_sgd',
+           'size': '0.2M', 'simulated_workers': True, 'optimizer': 'adamw',
+           'learning_rate': 0.024, 'schedule': 'warmup_cosine',
+           'schedule_kwargs': {'warmup_steps': 0.1}}
+  losses = {'constant_h5': (1.5, 1.6), 'qsr_10': (1.40, 1.52),
+            'constant_h10': (1.45, 1.54)}
+  rows = [{'name': n, 'rule': 'qsr' if n.startswith('qsr') else 'constant',
+           'knob': 0.05 if n.startswith('qsr') else int(n[10:]),
+           'pair': None if n == 'constant_h5' else 10, 'seed': seed,
+           'syncs': 10, 'final_eval_loss': loss[seed]}
+          for n, loss in losses.items() for seed in (0, 1)]
+  check = [{'learning_rate': 0.012, 'final_eval_loss': 1.6, 'seed': 0},
+           {'learning_rate': 0.024, 'final_eval_loss': 1.5, 'seed': 0}]
+  text = tables.render('qsr_budget', 'main', {'results': {
+      'setup': setup, 'rows': rows, 'lr_check': check,
+      'pending': ['qsr_20_s0']}})
+  # Paired differences -0.05 and -0.02: mean -0.035, sd 0.0212.
+  assert '| QSR, alpha 0.05 | 10 | 1.4600 +- 0.0849 | 1.4000, 1.5200 | ' \
+      '-2.34% | -0.0350 +- 0.0212 (2 seeds) |' in text
+  assert '0.012: 1.6000, 0.024: 1.5000; the runs below use 0.024' in text
+  assert 'stacked on one device' in text and 'qsr_20_s0' in text
+
+
 def _row(size, method, knob, seed, loss, device):
   return {'name': _claims.run_name(size, method, knob, seed), 'size': size,
           'method': method, 'knob': knob, 'seed': seed, 'num_params': 10,
