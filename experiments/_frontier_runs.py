@@ -75,21 +75,31 @@ RUNS = {
 }
 
 
-def points(names, tune: bool) -> list[tuple[str, object]]:
+def knob_values(name: str, outer_lrs=None) -> tuple:
+  """Run ``name``'s knob values, the default first; ``outer_lrs`` replaces
+  those of every run whose knob is the outer learning rate."""
+  knob = RUNS[name][3]
+  if knob is None:
+    return (None,)
+  if outer_lrs and knob[0] == 'outer__learning_rate':
+    return tuple(outer_lrs)
+  return knob[1]
+
+
+def points(names, tune: bool, outer_lrs=None) -> list[tuple[str, object]]:
   """``(run, knob value)`` in the order they run: each run at its default,
   then (``tune``) each run's other values."""
-  out = [(n, RUNS[n][3][1][0] if RUNS[n][3] else None) for n in names]
+  out = [(n, knob_values(n, outer_lrs)[0]) for n in names]
   if tune:
-    out += [(n, v) for n in names if RUNS[n][3]
-            for v in RUNS[n][3][1][1:]]
+    out += [(n, v) for n in names for v in knob_values(n, outer_lrs)[1:]]
   return out
 
 
-def run_dir_name(name: str, value) -> str:
+def run_dir_name(name: str, value, outer_lrs=None) -> str:
   """The run directory: the run's name, with the knob value where it is
   not the default."""
-  knob = RUNS[name][3]
-  return name if knob is None or value == knob[1][0] else f'{name}_{value:g}'
+  default = knob_values(name, outer_lrs)[0]
+  return name if default is None or value == default else f'{name}_{value:g}'
 
 
 def config_of(base, name: str, value, *, num_steps: int, dp_lr: float,

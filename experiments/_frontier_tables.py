@@ -8,6 +8,10 @@ from experiments import _registry
 # The loss margins over data-parallel's of the headline sentence.
 MARGINS = (0.02, 0.05)
 
+# Results names -> figure: the 0.2M study and the 0.5M (459k) one.
+NAMES = {'frontier': 'figures/frontier.png',
+         'frontier_459k': 'figures/frontier_459k.png'}
+
 
 _fmt_bytes = _registry.format_bytes
 
@@ -174,8 +178,7 @@ def frontier_headline(data: dict[str, Any]) -> str:
   return sentence(data) + '\n'
 
 
-_registry.tables({
-    ('frontier', 'main'): frontier_main,
-    ('frontier', 'headline'): frontier_headline,
-})
-_registry.figure('frontier', frontier_figure, 'figures/frontier.png')
+for _name, _path in NAMES.items():
+  _registry.tables({(_name, 'main'): frontier_main,
+                    (_name, 'headline'): frontier_headline})
+  _registry.figure(_name, frontier_figure, _path)

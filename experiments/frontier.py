@@ -65,6 +65,12 @@ _DP_LR = flags.DEFINE_float(
 _INNER_LR = flags.DEFINE_float(
     'inner_lr', 3e-3, 'The inner (AdamW) peak learning rate of the other '
     'methods (DiLoCo M = 4\'s in the claims study).')
+_OUTER_LRS = flags.DEFINE_list(
+    'outer_lrs', None, 'The outer learning rates of the runs whose knob is '
+    'the outer learning rate, the default first (default: 0.7, 0.4).')
+_RESULTS_NAME = flags.DEFINE_enum(
+    'results_name', 'frontier', list(_frontier_tables.NAMES),
+    'The results file: frontier (0.2M) or frontier_459k (the 0.5M LM).')
 _MERGE_ONLY = flags.DEFINE_bool('merge_only', False, 'Train nothing: write '
                                 'the results of the finished runs.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 4, 'Virtual CPU devices '
@@ -80,26 +86,31 @@ def main(argv):
   base.progress = False
   for field, value in _claims.SIZES[_SIZE.value].items():
     base.model[field] = value
-  todo = points(names, _TUNE.value)
+  outer_lrs = [float(v) for v in _OUTER_LRS.value or []]
+  if any(v <= 0 for v in outer_lrs):
+    raise app.UsageError(f'--outer_lrs must be positive, got {outer_lrs}')
+  todo = points(names, _TUNE.value, outer_lrs)
   rows = []
 
   def finished(run_dir):
     return os.path.exists(os.path.join(run_dir, 'summary.json'))
 
   def write():
-    left = [run_dir_name(n, v) for n, v in todo
-            if run_dir_name(n, v) not in {r['name'] for r in rows}]
+    left = [run_dir_name(n, v, outer_lrs) for n, v in todo
+            if run_dir_name(n, v, outer_lrs) not in {r['name'] for r in rows}]
     setup = {'size': _SIZE.value, 'num_steps': _NUM_STEPS.value, 'batch_size': base.batch_size,
              'seq_len': base.data.seq_len, 'workers': 4,
              'dp_lr': _DP_LR.value, 'inner_lr': _INNER_LR.value,
-             'outer_momentum': base.outer.momentum, 'tune': _TUNE.value}
+             'outer_momentum': base.outer.momentum, 'tune': _TUNE.value,
+             'outer_lrs': outer_lrs or None}
     results = _frontier_tables.results(rows, setup, left)
-    _runs.write(_WORKDIR.value, 'frontier',
+    _runs.write(_WORKDIR.value, _RESULTS_NAME.value,
                 _frontier_tables.frontier_main({'results': results}),
                 results)
 
   for name, value in todo:
-    run_dir = os.path.join(_WORKDIR.value, run_dir_name(name, value))
+    run_dir = os.path.join(_WORKDIR.value,
+                           run_dir_name(name, value, outer_lrs))
     if _MERGE_ONLY.value and not finished(run_dir):
       continue
     c = config_of(base, name, value, num_steps=_NUM_STEPS.value,
@@ -109,7 +120,7 @@ def main(argv):
     if knob is not None:
       label += f' ({knob[0].split("__")[-1]} {value:g})'
     s = _runs.read_back(c, run_dir, label) or _runs.run(c, run_dir, label)
-    rows.append({'name': run_dir_name(name, value), 'run': name,
+    rows.append({'name': run_dir_name(name, value, outer_lrs), 'run': name,
                  'family': family, 'label': label, 'knob_value': value,
                  'final_eval_loss': s['final_eval_loss'],
                  'cross_worker_bytes': s['cross_worker_bytes'],

@@ -30,6 +30,18 @@ def test_every_run_is_a_valid_m4_config(name):
       'diloco_h30_fp32_0.4'
 
 
+def test_outer_lrs_replace_only_the_outer_learning_rate_knob():
+  lrs = [1.0, 0.7]
+  got = frontier.points(['diloco_h30_int8', 'demo', 'dp'], True, lrs)
+  assert got == [('diloco_h30_int8', 1.0), ('demo', 32), ('dp', None),
+                 ('diloco_h30_int8', 0.7), ('demo', 8)]
+  assert frontier.run_dir_name('diloco_h30_int8', 1.0, lrs) == \
+      'diloco_h30_int8'
+  assert frontier.run_dir_name('diloco_h30_int8', 0.7, lrs) == \
+      'diloco_h30_int8_0.7'
+  assert frontier.run_dir_name('demo', 8, lrs) == 'demo_8'
+
+
 def _row(name, family, loss, nbytes, run=None):
   return {'name': name, 'run': run or name, 'family': family,
           'label': name, 'final_eval_loss': loss,
