@@ -125,6 +125,8 @@ def _share(steps: float) -> str:
 def _schedule_label(name: str) -> str:
   if name.startswith('wsd '):
     return f'WSD, {name[4:]} decay'
+  if name.startswith('schedule-free adamw lr '):
+    return f'schedule-free AdamW, peak lr {name.rsplit(" ", 1)[1]}'
   return {'schedule-free adamw': 'schedule-free AdamW',
           'constant (wsd main)': 'constant after warmup (the WSD main run, '
                                  'no decay)'}.get(name, name)
@@ -143,23 +145,57 @@ def schedules_main(data: dict[str, Any]) -> str:
   o = c['optimizer']
   decay = _config(data, 'wsd linear')['optimizer']['schedule_kwargs'][
       'decay_steps']
+  other = (' unless its row names another' if any(
+      n.startswith('schedule-free adamw lr ') for n in res['runs']) else '')
   lines = [
       f'{_tokens(c)}, {c["outer"]["method"]}, {o["name"]} peak '
-      f'{o["learning_rate"]:g} (schedule-free: the same peak), warmup '
-      f'{o["schedule_kwargs"]["warmup_steps"]} steps, every decay to 0; '
-      f'WSD decays over the last {_share(decay)} of the run; WSM merges '
-      'checkpoints of the constant run.', '',
+      f'{o["learning_rate"]:g} (schedule-free: the same peak{other}), '
+      f'warmup {o["schedule_kwargs"]["warmup_steps"]} steps, every decay to '
+      f'0; WSD decays over the last {_share(decay)} of the run; WSM merges '
+      f'checkpoints of the constant run.{_seeds_note(res)}', '',
       f'| schedule ({c["num_steps"]} steps) | final eval loss |', '|---|---|']
-  losses = {_schedule_label(n): r['final_eval_loss']
+  losses = {_schedule_label(n): _seed_stats(res, n, r['final_eval_loss'])
             for n, r in res['runs'].items() if not _budget_run(n)}
   for shape, m in res['wsm'].items():
     coeffs = ', '.join(f'{x:.3g}' for x in m['coefficients'])
     steps = ', '.join(map(str, m['steps']))
     label = f'WSM {shape}: merge of steps {steps} with coefficients {coeffs}'
-    losses[label] = m['eval_loss']
-  for label, text in _bold_best(losses, list(losses)).items():
-    lines.append(f'| {label} | {text} |')
+    losses[label] = (m['eval_loss'],)
+  best = min(x[0] for x in losses.values())
+  for label, x in losses.items():
+    text = _mean_std(x)
+    lines.append(f'| {label} | {f"**{text}**" if x[0] == best else text} |')
   return '\n'.join(lines) + '\n'
+
+
+def seed_stats(values: list[float]) -> tuple[float, ...]:
+  """``(value,)`` for one value; ``(mean, sample std, n)`` for more."""
+  if len(values) < 2:
+    return tuple(values)
+  mean = sum(values) / len(values)
+  var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+  return (mean, var ** 0.5, len(values))
+
+
+def _mean_std(x: tuple[float, ...]) -> str:
+  return f'{x[0]:.4f}' if len(x) == 1 else (
+      f'{x[0]:.4f} ± {x[1]:.4f} ({x[2]} seeds)')
+
+
+def _seed_stats(res: dict[str, Any], name: str, loss: float):
+  """Run ``name``'s loss over the seeds it ran at (results written with
+  ``--seeds``), else ``(loss,)``."""
+  per_seed = res.get('seed_losses', {}).get(name)
+  return seed_stats(list(per_seed.values())) if per_seed else (loss,)
+
+
+def _seeds_note(res: dict[str, Any]) -> str:
+  seeds = res.get('seeds', [])
+  if len(seeds) < 2:
+    return ''
+  return (f' Seeds {", ".join(map(str, seeds))} (model init and data order; '
+          'every run of a seed reads the same batches): mean ± sample std '
+          'where a run has more than one seed, else the first seed.')
 
 
 def schedules_budgets(data: dict[str, Any]) -> str:
@@ -171,7 +207,10 @@ def schedules_budgets(data: dict[str, Any]) -> str:
   decay = _config(data, 'wsd-s')['optimizer']['schedule_kwargs'][
       'decay_steps']
   ev = runs['wsd-s']['curve']['eval']
-  cosines = [runs['cosine' if b == budgets[-1] else f'cosine {b}']
+  at = res.get('seed_wsds') or {'': [ev[str(b)] for b in budgets]}
+  wsds = [seed_stats([v[i] for v in at.values()])
+          for i in range(len(budgets))]
+  cosines = ['cosine' if b == budgets[-1] else f'cosine {b}'
              for b in budgets]
   spent = max(starts) + sum(b - s for b, s in zip(budgets, starts))
   decays = ' + '.join(str(b - s) for b, s in zip(budgets, starts))
@@ -182,7 +221,7 @@ def schedules_budgets(data: dict[str, Any]) -> str:
       '| method | ' + ' | '.join(f'loss at {b}' for b in budgets)
       + ' | total steps spent |', '|---|' + '---|' * (len(budgets) + 1),
       f"| WSD-S, one run (`'wsds'`, each decay {_share(decay)} of its "
-      'segment) | ' + ' | '.join(f'{ev[str(b)]:.4f}' for b in budgets)
+      'segment) | ' + ' | '.join(_mean_std(x) for x in wsds)
       + f' | {budgets[-1]} |',
       f'| WSD, decays ({_share(decay)} of each budget) branched off the '
       'constant run with `loc_opt.train.branch_and_evaluate` | '
@@ -190,8 +229,8 @@ def schedules_budgets(data: dict[str, Any]) -> str:
                    for b in budgets)
       + f' | {spent} ({max(starts)} main + {decays}) |',
       '| cosine, one run per budget | ' + ' | '.join(
-          f'{r["final_eval_loss"]:.4f}' for r in cosines)
-      + f' | {sum(budgets)} |']
+          _mean_std(_seed_stats(res, n, runs[n]['final_eval_loss']))
+          for n in cosines) + f' | {sum(budgets)} |']
   return '\n'.join(lines) + '\n'
 
 
@@ -454,5 +493,7 @@ _registry.tables({
     ('spikes', 'main'): spikes_main,
     ('schedules', 'main'): schedules_main,
     ('schedules', 'budgets'): schedules_budgets,
+    ('schedules_budget', 'main'): schedules_main,
+    ('schedules_budget', 'budgets'): schedules_budgets,
     ('inner_under_diloco', 'main'): inner_under_diloco_main,
 })

@@ -227,7 +227,7 @@ def test_every_benchmark_writes_a_results_file():
              'regenerate', 'train', 'corpus_backfill',
              '_frontier_tables', '_registry', '_async_tables',
              '_frontier_runs', '_chaos_schedule', '_sync_chaos',
-             '_chaos_predict'}
+             '_chaos_predict', '_outer_sweep', '_schedules'}
   silent = [p.name for p in sorted((tables.REPO / 'experiments').glob('*.py'))
             if p.stem not in helpers and '_runs.write(' not in p.read_text()]
   assert not silent, f'benchmarks without a results file: {silent}'
