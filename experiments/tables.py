@@ -38,6 +38,7 @@ from experiments import _claims  # pylint: disable=unused-import
 from experiments import _compress_tables  # pylint: disable=unused-import
 from experiments import _fault_tables  # pylint: disable=unused-import
 from experiments import _frontier_tables  # pylint: disable=unused-import
+from experiments import _outer_sweep  # pylint: disable=unused-import
 from experiments import _registry
 from experiments import _sharding_tables  # pylint: disable=unused-import
 from experiments import _small_tables  # pylint: disable=unused-import
@@ -294,28 +295,34 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
   (columns); the best of each method and M in bold."""
   res = data['results']
   s = res['setup']
-  momenta = sorted({r['momentum'] for r in res['rows']}, reverse=True)
+  rows = [r for r in res['rows'] if r.get('seed', 0) == 0]
+  momenta = sorted({r['momentum'] for r in rows}, reverse=True)
   best: dict[tuple[str, int], float] = {}
-  for r in res['rows']:
+  for r in rows:
     key = (r['method'], r['workers'])
     best[key] = min(best.get(key, float('inf')), r['final_eval_loss'])
-  lines = [f'{s["num_steps"]} steps x {s["batch_size"]} x {s["seq_len"]} '
-           f'tokens; H = {s["sync_every"]}; M workers x {s["devices"]} / M '
-           f'devices; outer {"Nesterov" if s["nesterov"] else "heavy-ball"} '
-           'SGD. Final eval loss:', '',
+  model = (f'{s["size"]} LM ({s["num_params"]:,} parameters), inner lr '
+           f'{s["inner_learning_rate"]:g}; ' if s.get('size') else '')
+  where = ('M workers stacked on one device' if s.get('simulate_workers')
+           else f'M workers x {s["devices"]} / M devices')
+  seeds = ' (seed 0)' if len(rows) < len(res['rows']) else ''
+  lines = [f'{model}{s["num_steps"]} steps x {s["batch_size"]} x '
+           f'{s["seq_len"]} tokens; H = {s["sync_every"]}; {where}; outer '
+           f'{"Nesterov" if s["nesterov"] else "heavy-ball"} SGD. Final eval '
+           f'loss{seeds}:', '',
            '| method | M | outer lr | ' + ' | '.join(
                f'momentum {m:g}' for m in momenta) + ' |',
            '|---|---|---|' + '---|' * len(momenta)]
   keys = []
-  for r in res['rows']:
+  for r in rows:
     key = (r['method'], r['workers'], r['learning_rate'])
     if key not in keys:
       keys.append(key)
   for method, m, lr in keys:
     cells = []
     for mom in momenta:
-      hit = [r for r in res['rows'] if (r['method'], r['workers'],
-                                        r['learning_rate'], r['momentum'])
+      hit = [r for r in rows if (r['method'], r['workers'],
+                                 r['learning_rate'], r['momentum'])
              == (method, m, lr, mom)]
       if not hit:
         cells.append('')
@@ -334,6 +341,7 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
 _registry.tables({
     ('outer_sweep', 'main'): outer_sweep_main,
     ('outer_sweep_own', 'main'): outer_sweep_main,
+    ('outer_sweep_budget', 'main'): outer_sweep_main,
     ('compare_dp_diloco', 'main'): compare_dp_diloco_main,
     ('diloco_family', 'main'): diloco_family_main,
     ('wire_bytes', 'main'): wire_bytes_main,
