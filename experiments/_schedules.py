@@ -10,11 +10,26 @@ SEEDABLE = ('cosine', 'linear', *(f'wsd {s}' for s in SHAPES),
             'schedule-free adamw', 'wsd-s', 'cosine per budget')
 
 
+# What the first seed can run: every repeatable run and the constant WSD
+# main run with its WSM merges and branched decays.
+RUNS = (*SEEDABLE, 'constant main')
+
+
 def seed_dir(name: str, seed: int, first: int) -> str:
   """Run ``name``'s directory name at ``seed`` (the first seed's runs keep
   the plain name, so a one-seed workdir reads the same as before seeds)."""
   base = name.replace(' ', '_')
   return base if seed == first else f'{base}_s{seed}'
+
+
+def chosen_runs(names) -> list[str]:
+  """``--runs`` checked against :data:`RUNS`, in :data:`RUNS`' order unless
+  given otherwise (the order they train in); a bad name is a ValueError."""
+  unknown = [n for n in names if n not in RUNS]
+  if unknown or not names:
+    raise ValueError(f'--runs {unknown or names} are not runs of the '
+                     f'schedules benchmark; known: {list(RUNS)}')
+  return list(dict.fromkeys(names))
 
 
 def parse_seeds(values, runs) -> tuple[list[int], list[str]]:

@@ -143,8 +143,8 @@ def schedules_main(data: dict[str, Any]) -> str:
   res = data['results']
   c = _config(data, 'cosine')
   o = c['optimizer']
-  decay = _config(data, 'wsd linear')['optimizer']['schedule_kwargs'][
-      'decay_steps']
+  wsd = next(n for n in res['runs'] if n.startswith('wsd '))
+  decay = _config(data, wsd)['optimizer']['schedule_kwargs']['decay_steps']
   other = (' unless its row names another' if any(
       n.startswith('schedule-free adamw lr ') for n in res['runs']) else '')
   lines = [
@@ -204,14 +204,16 @@ def schedules_budgets(data: dict[str, Any]) -> str:
   res = data['results']
   runs, budgets = res['runs'], res['budgets']
   starts, branches = res['starts'], res['branches']
+  cosines = ['cosine' if b == budgets[-1] else f'cosine {b}'
+             for b in budgets]
+  if 'wsd-s' not in runs or any(n not in runs for n in cosines):
+    return 'Part 2 (WSD-S against cosine per budget) was not run.\n'
   decay = _config(data, 'wsd-s')['optimizer']['schedule_kwargs'][
       'decay_steps']
   ev = runs['wsd-s']['curve']['eval']
   at = res.get('seed_wsds') or {'': [ev[str(b)] for b in budgets]}
   wsds = [seed_stats([v[i] for v in at.values()])
           for i in range(len(budgets))]
-  cosines = ['cosine' if b == budgets[-1] else f'cosine {b}'
-             for b in budgets]
   spent = max(starts) + sum(b - s for b, s in zip(budgets, starts))
   decays = ' + '.join(str(b - s) for b, s in zip(budgets, starts))
   first = ', '.join(map(str, budgets[:-1]))
@@ -222,12 +224,15 @@ def schedules_budgets(data: dict[str, Any]) -> str:
       + ' | total steps spent |', '|---|' + '---|' * (len(budgets) + 1),
       f"| WSD-S, one run (`'wsds'`, each decay {_share(decay)} of its "
       'segment) | ' + ' | '.join(_mean_std(x) for x in wsds)
-      + f' | {budgets[-1]} |',
-      f'| WSD, decays ({_share(decay)} of each budget) branched off the '
-      'constant run with `loc_opt.train.branch_and_evaluate` | '
-      + ' | '.join(f'{branches[str(b)]["final_eval_loss"]:.4f}'
-                   for b in budgets)
-      + f' | {spent} ({max(starts)} main + {decays}) |',
+      + f' | {budgets[-1]} |']
+  if branches:
+    lines.append(
+        f'| WSD, decays ({_share(decay)} of each budget) branched off the '
+        'constant run with `loc_opt.train.branch_and_evaluate` | '
+        + ' | '.join(f'{branches[str(b)]["final_eval_loss"]:.4f}'
+                     for b in budgets)
+        + f' | {spent} ({max(starts)} main + {decays}) |')
+  lines += [
       '| cosine, one run per budget | ' + ' | '.join(
           _mean_std(_seed_stats(res, n, runs[n]['final_eval_loss']))
           for n in cosines) + f' | {sum(budgets)} |']

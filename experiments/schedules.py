@@ -50,7 +50,9 @@ from ml_collections import config_flags
 from experiments import _claims
 from experiments import _runs
 from experiments import _train_tables
+from experiments._schedules import chosen_runs
 from experiments._schedules import parse_seeds
+from experiments._schedules import RUNS
 from experiments._schedules import SEEDABLE
 from experiments._schedules import seed_dir
 from experiments._schedules import SHAPES
@@ -76,6 +78,10 @@ _SEEDS = flags.DEFINE_list(
 _SEED_RUNS = flags.DEFINE_list(
     'seed_runs', list(SEEDABLE), 'Runs repeated at the seeds after the '
     f'first, of {", ".join(SEEDABLE)}.')
+_RUNS = flags.DEFINE_list(
+    'runs', list(RUNS), 'Runs of the first seed, in this order, of '
+    f'{", ".join(RUNS)} (\'constant main\': the WSD main run, its WSM '
+    'merges and branched decays).')
 _SF_LRS = flags.DEFINE_list(
     'sf_lrs', [], 'Other peak learning rates of schedule-free AdamW (first '
     'seed only).')
@@ -90,6 +96,7 @@ def main(argv):
   del argv
   try:
     seeds, seed_runs = parse_seeds(_SEEDS.value, _SEED_RUNS.value)
+    chosen = chosen_runs(_RUNS.value)
     sf_lrs = [float(v) for v in _SF_LRS.value]
   except ValueError as e:
     raise app.UsageError(str(e)) from e
@@ -102,8 +109,12 @@ def main(argv):
   wd = _WORKDIR.value
   first = seeds[0]
   config = _runs.variant(plan['base'], seed=first)
-  runs = _seed_runs(config, plan, wd, SEEDABLE, first)
-  wsm, branches = _main_run_parts(config, plan, wd, runs)
+  runs, wsm, branches = {}, {}, {}
+  for name in chosen:
+    if name == 'constant main':
+      wsm, branches = _main_run_parts(config, plan, wd, runs)
+    else:
+      runs.update(_seed_runs(config, plan, wd, [name], first))
   per_seed = {first: runs}
   for seed in seeds[1:]:  # Then the repeats, then the other rates.
     per_seed[seed] = _seed_runs(_runs.variant(plan['base'], seed=seed),
@@ -128,10 +139,10 @@ def main(argv):
   _runs.write(wd, _RESULTS_NAME.value, markdown, results,
               setup={'size': _SIZE.value, 'seeds': seeds,
                      'seed_runs': seed_runs, 'sf_lrs': sf_lrs})
-  cosines = {b: runs['cosine' if b == budgets[-1] else f'cosine {b}']
+  cosines = {b: runs.get('cosine' if b == budgets[-1] else f'cosine {b}')
              for b in budgets}
   _plot(os.path.join(wd, f'{_RESULTS_NAME.value}.png'), runs, wsm,
-        plan['total'], budgets, runs['wsd-s'], branches, cosines,
+        plan['total'], budgets, runs.get('wsd-s'), branches, cosines,
         plan['spent'])
 
 
@@ -249,7 +260,7 @@ def _plot(path, runs, wsm, total, budgets, wsds, branches, cosines, spent):
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
   names = ['cosine', 'linear'] + [f'wsd {s}' for s in SHAPES] + [
       'schedule-free adamw', 'constant (wsd main)', 'wsd-s']
-  for name in names:
+  for name in (n for n in names if n in runs):
     ev = runs[name]['curve']['eval']
     steps = sorted(s for s in ev if s >= total // 3)
     ax1.plot(steps, [ev[s] for s in steps], marker='.', label=name)
@@ -260,13 +271,16 @@ def _plot(path, runs, wsm, total, budgets, wsds, branches, cosines, spent):
   ax1.set_ylabel('eval loss (nats/byte)')
   ax1.set_title(f'equal steps ({total})')
   ax1.legend(fontsize=7)
-  ev = wsds['curve']['eval']
-  ax2.plot(budgets, [ev[b] for b in budgets], marker='o',
-           label=f'wsd-s, one run ({total} steps)')
-  ax2.plot(budgets, [branches[b]['final_eval_loss'] for b in budgets],
-           marker='s', label=f'wsd, branched decays ({spent} steps)')
-  ax2.plot(budgets, [cosines[b]['final_eval_loss'] for b in budgets],
-           marker='^', label=f'cosine per budget ({sum(budgets)} steps)')
+  if wsds:
+    ev = wsds['curve']['eval']
+    ax2.plot(budgets, [ev[b] for b in budgets], marker='o',
+             label=f'wsd-s, one run ({total} steps)')
+  if branches:
+    ax2.plot(budgets, [branches[b]['final_eval_loss'] for b in budgets],
+             marker='s', label=f'wsd, branched decays ({spent} steps)')
+  if all(cosines.values()):
+    ax2.plot(budgets, [cosines[b]['final_eval_loss'] for b in budgets],
+             marker='^', label=f'cosine per budget ({sum(budgets)} steps)')
   ax2.set_xlabel('budget (steps)')
   ax2.set_ylabel('eval loss at the budget')
   ax2.set_title('three budgets')

@@ -54,3 +54,12 @@ def test_tables_give_mean_and_std_over_seeds():
       data).splitlines() if line.startswith('| WSD-S'))
   b0 = ev[str(budgets[0])]
   assert f'{b0 + 0.01:.4f} ± {0.02 / 2 ** 0.5:.4f} (2 seeds)' in wsds_row
+
+
+def test_chosen_runs_keeps_the_given_order_and_names_bad_runs():
+  assert _schedules.chosen_runs(['wsd-s', 'constant main', 'wsd-s']) == [
+      'wsd-s', 'constant main']
+  with pytest.raises(ValueError, match=r"\['cosine 250'\]"):
+    _schedules.chosen_runs(['cosine', 'cosine 250'])
+  with pytest.raises(ValueError, match='not runs'):
+    _schedules.chosen_runs([])
