@@ -131,6 +131,9 @@ def _run(job, seed, lr):
   s = _runs.run(c, os.path.join(_WORKDIR.value, f'{name}{tail}_s{seed}'),
                 f'{label}, lr {lr:g}, seed {seed}')
   expected = _claims.count_syncs(c)
+  if pair is not None and expected != pair:
+    raise SystemExit(f'{label}: its schedule makes {expected} syncs at lr '
+                     f'{lr:g}, not the {pair} of its pair')
   if s['syncs'] != expected:
     raise SystemExit(f'{label}: the run synced {s["syncs"]} times, its '
                      f'schedule says {expected}; the pairs would not move '
@@ -172,8 +175,9 @@ def main(argv):
            'learning_rate': base.optimizer.learning_rate,
            'schedule': base.optimizer.schedule,
            'schedule_kwargs': dict(base.optimizer.schedule_kwargs)}
-  jobs = _jobs(base, targets)
-  check = [(jobs[0], seeds[0], lr) for lr in lrs]
+  for lr in lrs or [base.optimizer.learning_rate]:  # --syncs it can make
+    _jobs(_runs.variant(base, optimizer__learning_rate=lr), targets)
+  check = [(_jobs(base, [])[0], seeds[0], lr) for lr in lrs]
   results = {'setup': setup, 'lr_check': [], 'rows': []}
 
   def write(pending):
@@ -187,6 +191,9 @@ def main(argv):
     write([f'{job[0]}_lr{x:g}_s{seed}' for _, _, x in check[i + 1:]])
   if lrs:
     setup['learning_rate'] = _claims.best_lr(results['lr_check'])
+  # QSR's alpha for each sync count follows from the lr schedule it runs.
+  jobs = _jobs(_runs.variant(
+      base, optimizer__learning_rate=setup['learning_rate']), targets)
   # The reference and the first pair over every seed, then the next pair.
   groups = [jobs[:3]] + [jobs[k:k + 2] for k in range(3, len(jobs), 2)]
   runs = [(j, s) for g in groups for s in seeds for j in g]
