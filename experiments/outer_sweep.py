@@ -31,8 +31,8 @@ and three seeds of Eager's best and of DiLoCo's:
 
   python -m experiments.outer_sweep --workdir=DIR \
     --results_name=outer_sweep_budget --size=0.2M --search=local \
-    --methods=eager_diloco --workers=2 --learning_rates=1.0,0.7 \
-    --momenta=0.5,0.3,0.9 --best_seeds=3 \
+    --methods=eager_diloco --workers=2 --learning_rates=1.0,0.7,0.4 \
+    --momenta=0.5,0.3,0.9,0.0 --best_seeds=3 \
     --also=eager_naive@0.7:0.9,eager_naive@eager_diloco,diloco@1.0:0.5:3 \
     --simulate_workers --cpu_devices=1 --config.mesh.workers=1 \
     --config.mesh.data=1 --config.num_steps=1000 \
