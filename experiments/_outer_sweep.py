@@ -68,15 +68,19 @@ def parse_also(values, methods) -> list[tuple[str, Any, int]]:
 
 def _settings(rows):
   """``{(method, M, lr, momentum): [losses by seed order]}``, first-seen
-  order."""
+  order, of the settings run at several seeds or besides the search
+  (``--also``); the search's other points are in the tuning table."""
   out: dict[tuple, list[float]] = {}
+  shown = set()
   for r in sorted(rows, key=lambda r: r.get('seed', 0)):
     key = (r['method'], r['workers'], r['learning_rate'], r['momentum'])
     out.setdefault(key, []).append(r['final_eval_loss'])
+    if r.get('role', 'search') != 'search' or len(out[key]) > 1:
+      shown.add(key)
   order = []
   for r in rows:
     key = (r['method'], r['workers'], r['learning_rate'], r['momentum'])
-    if key not in order:
+    if key in shown and key not in order:
       order.append(key)
   return {k: out[k] for k in order}
 
@@ -88,7 +92,8 @@ def _mean_std(losses):
 
 
 def budget_seeds(data: dict[str, Any]) -> str:
-  """Every setting run: its seeds' final eval losses, mean +- sample std,
+  """The settings run at several seeds or besides the search (``--also``):
+  their seeds' final eval losses, mean +- sample std,
   and the gap of the mean to DiLoCo's most-seeded setting at the same M (in
   percent and in that DiLoCo setting's seed standard deviations)."""
   res = data['results']

@@ -42,16 +42,18 @@ def test_naive_variant_runs_eager_updates_with_the_stale_average_alone():
   assert _outer_sweep.method_of('diloco') == ('diloco', {})
 
 
-def _row(method, lr, mom, seed, loss):
+def _row(method, lr, mom, seed, loss, role='search'):
   return {'method': method, 'workers': 2, 'learning_rate': lr,
-          'momentum': mom, 'seed': seed, 'final_eval_loss': loss}
+          'momentum': mom, 'seed': seed, 'final_eval_loss': loss,
+          'role': role}
 
 
 def test_seeds_table_gives_each_settings_mean_and_gap_to_diloco():
   rows = [_row('eager_diloco', 1.0, 0.5, 0, 1.5),
           _row('diloco', 1.0, 0.5, 0, 1.4), _row('diloco', 1.0, 0.5, 1, 1.6),
           _row('eager_diloco', 1.0, 0.5, 1, 1.7),
-          _row('eager_naive', 0.7, 0.9, 0, 2.0)]
+          _row('eager_naive', 0.7, 0.9, 0, 2.0, 'also'),
+          _row('eager_diloco', 0.4, 0.5, 0, 1.9)]
   data = {'results': {'rows': rows, 'pending': ['x']}}
   text = _outer_sweep.budget_seeds(data)
   lines = text.splitlines()
@@ -63,6 +65,7 @@ def test_seeds_table_gives_each_settings_mean_and_gap_to_diloco():
   diloco = next(l for l in lines if l.startswith('| DiLoCo'))
   assert diloco.endswith('| 1.5000 +- 0.1414 |  |')
   assert 'Not run yet: x.' in text
+  assert '1.9000' not in text  # a search point at one seed: tuning table
 
 
 def test_tuning_table_shows_seed_0_only():
