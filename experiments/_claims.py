@@ -473,11 +473,6 @@ def qsr_main(data: dict[str, Any]) -> str:
   return '\n'.join(lines) + '\n'
 
 
-# The results files of experiments.qsr: the short study, and longer runs of
-# a smaller model (--size) with the inner lr picked first (--peak_lrs).
-QSR_RESULTS_NAMES = ('qsr', 'qsr_budget')
-
-
 def best_lr(rows) -> float:
   """The learning rate of the row with the lowest final eval loss."""
   if not rows:

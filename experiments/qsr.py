@@ -73,8 +73,11 @@ _PEAK_LRS = flags.DEFINE_list(
     'peak_lrs', [], 'Inner peak learning rates to try first: the constant '
     'H_base run of the first seed at each; the grid runs at the one with '
     'the lowest final eval loss (empty: the config\'s).')
+# The results files this study writes (NAME.json): the short study, and
+# longer runs of a smaller model (--size) with the inner lr picked first.
+RESULTS_NAMES = ('qsr', 'qsr_budget')
 _RESULTS_NAME = flags.DEFINE_enum(
-    'results_name', 'qsr', _claims.QSR_RESULTS_NAMES,
+    'results_name', 'qsr', RESULTS_NAMES,
     'The results file (NAME.json) this study writes.')
 flags.mark_flag_as_required('workdir')
 

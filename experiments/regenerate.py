@@ -141,6 +141,14 @@ BENCHMARKS: dict[str, Benchmark] = {
                          (('goodput.png', 'docs/figures/goodput.png'),)),
     'dropout': Benchmark('dropout', (), 'docs/faults.md'),
     'qsr': Benchmark('qsr', (), 'docs/claims.md'),
+    # Claim 9 at about 21 tokens per parameter: the 0.2M LM, 1000 steps,
+    # the inner peak lr picked on the constant H_base run first, M = 4
+    # stacked on one device; 16 runs, about an hour of CPU.
+    'qsr_budget': Benchmark('qsr', (
+        '--results_name=qsr_budget', '--size=0.2M', '--num_steps=1000',
+        '--syncs=50,25', '--peak_lrs=0.012,0.024', '--simulate_workers',
+        '--cpu_devices=1', '--config.mesh.workers=1',
+        '--config.mesh.data=1'), 'docs/claims.md'),
     # Hours of CPU (three sizes, tuned, seeds): last.
     # The 2M / 8M data-parallel and M = 1 rows come from a GPU
     # (tools/claims_on_gpu.sh) and 8M M = 4 from a separate CPU run; they
