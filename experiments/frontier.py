@@ -69,7 +69,7 @@ _OUTER_LRS = flags.DEFINE_list(
     'outer_lrs', None, 'The outer learning rates of the runs whose knob is '
     'the outer learning rate, the default first (default: 0.7, 0.4).')
 _RESULTS_NAME = flags.DEFINE_enum(
-    'results_name', 'frontier', list(_frontier_tables.NAMES),
+    'results_name', 'frontier', ['frontier', 'frontier_459k'],
     'The results file: frontier (0.2M) or frontier_459k (the 0.5M LM).')
 _MERGE_ONLY = flags.DEFINE_bool('merge_only', False, 'Train nothing: write '
                                 'the results of the finished runs.')

@@ -1,11 +1,14 @@
 """The bytes-at-quality frontier study's configs, front and headline
 (experiments.frontier, experiments._frontier_tables), without training."""
 
+import pathlib
+
 import jax
 import pytest
 
 from configs import diloco_lm
 from experiments import _frontier_tables
+from experiments import _registry
 from experiments import _frontier_runs as frontier
 from loc_opt.train import experiment as exp_lib
 
@@ -40,6 +43,16 @@ def test_outer_lrs_replace_only_the_outer_learning_rate_knob():
   assert frontier.run_dir_name('diloco_h30_int8', 0.7, lrs) == \
       'diloco_h30_int8_0.7'
   assert frontier.run_dir_name('demo', 8, lrs) == 'demo_8'
+
+
+def test_each_results_name_has_its_tables_and_figure():
+  source = (pathlib.Path(__file__).parents[1] / 'experiments'
+            / 'frontier.py').read_text()
+  for name, path in _frontier_tables.NAMES.items():
+    assert f"'{name}'" in source  # the program's --results_name
+    assert _registry.RENDERERS[(name, 'headline')] is \
+        _frontier_tables.frontier_headline
+    assert _registry.FIGURES[name][1] == path
 
 
 def _row(name, family, loss, nbytes, run=None):
