@@ -82,6 +82,8 @@ def _settings(rows):
     key = (r['method'], r['workers'], r['learning_rate'], r['momentum'])
     if key in shown and key not in order:
       order.append(key)
+  methods = list(dict.fromkeys(k[0] for k in order))
+  order.sort(key=lambda k: methods.index(k[0]))  # stable: by method
   return {k: out[k] for k in order}
 
 

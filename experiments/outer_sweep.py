@@ -27,15 +27,16 @@ At the claims study's budget (claim 4 of docs/claims.md: Eager updates
 against the naive one-round delay and tuned DiLoCo at M = 2; the ~0.2M LM,
 1,000 steps, workers stacked on one device), a local search of Eager's outer
 step from DiLoCo's best, the naive delay at its default, at Eager's best
-and at three lower outer steps, and three seeds of Eager's best and of
-DiLoCo's:
+and around its own best (a local minimum of the points run), and three
+seeds of Eager's best and of DiLoCo's:
 
   python -m experiments.outer_sweep --workdir=DIR \
     --results_name=outer_sweep_budget --size=0.2M --search=local \
     --methods=eager_diloco --workers=2 --learning_rates=1.0,0.7,0.4 \
     --momenta=0.5,0.3,0.9,0.0 --best_seeds=3 \
     --also=eager_naive@0.7:0.9,eager_naive@eager_diloco,diloco@1.0:0.5:3,\
-eager_naive@0.7:0.0,eager_naive@0.4:0.3,eager_naive@0.4:0.0 \
+eager_naive@0.7:0.0,eager_naive@0.4:0.3,eager_naive@0.4:0.0,\
+eager_naive@0.4:0.5,eager_naive@0.2:0.3 \
     --simulate_workers --cpu_devices=1 --config.mesh.workers=1 \
     --config.mesh.data=1 --config.num_steps=1000 \
     --config.optimizer.learning_rate=1.2e-2 --config.eval_every=166 \

@@ -318,6 +318,8 @@ def outer_sweep_main(data: dict[str, Any]) -> str:
     key = (r['method'], r['workers'], r['learning_rate'])
     if key not in keys:
       keys.append(key)
+  methods = list(dict.fromkeys(k[0] for k in keys))
+  keys.sort(key=lambda k: methods.index(k[0]))  # stable: by method
   for method, m, lr in keys:
     cells = []
     for mom in momenta:
