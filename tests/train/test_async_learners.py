@@ -226,12 +226,14 @@ def test_no_payload_is_merged_twice(scenario):
 def test_the_store_counts_what_was_merged_and_sent(scenario):
   p, _ = scenario
   store = store_lib.Store(p.store)
-  latest = store.latest_version()
-  assert latest == p.merges()[-1]['version']
+  logged = p.merges()[-1]['version']
+  # The syncer writes a version, then logs its merge line: the SIGKILL at
+  # the end can fall between the two, leaving one version unlogged.
+  assert store.latest_version() in (logged, logged + 1)
   from loc_opt.train.async_learners import syncer  # pylint: disable=g-import-not-at-top
-  _, _, meta = store.read_global(latest, syncer.init_params(_tiny()), None)
+  _, _, meta = store.read_global(logged, syncer.init_params(_tiny()), None)
   assert meta['syncer_starts'] == 2
-  assert meta['merges'] == latest
+  assert meta['merges'] == logged
   assert meta['payloads_merged'] == sum(len(m['payloads'])
                                         for m in p.merges())
   # b's payloads are int8: a quarter of a's float32 bytes plus scales
