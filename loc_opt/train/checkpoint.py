@@ -65,6 +65,7 @@ from loc_opt.train import checkpoint_faults as cf
 from loc_opt.train import faults
 from loc_opt.train import integrity
 from loc_opt.train import orbax_io
+from loc_opt.train import preemption
 from loc_opt.train.resume_rules import BRANCH_MAY_DIFFER
 from loc_opt.train.resume_rules import branch_diffs
 from loc_opt.train.resume_rules import config_diffs  # pylint: disable=unused-import  (re-exported)
@@ -256,14 +257,14 @@ class Checkpointer:
       if step not in self.manager.all_steps():
         raise CheckpointError(f'no checkpoint at step {step} in {self.dir}; '
                               f'saved steps: {self.all_steps()}')
-      return step, self._restore_step(target, config_json, step, compare)
+      return step, self._read(target, config_json, step, compare)
     steps = sorted(self.manager.all_steps(), reverse=True)
     if not steps:
       raise CheckpointError(f'no checkpoint in {self.dir}')
     unreadable = []
     for s in steps:
       try:
-        state = self._restore_step(target, config_json, s, compare)
+        state = self._read(target, config_json, s, compare)
       except _Unreadable as e:
         lost = cf.lost_peer(e)
         if lost:  # not the checkpoint's fault: keep it, fall back to none
@@ -290,6 +291,18 @@ class Checkpointer:
         f'no readable checkpoint in {self.dir}: '
         + '; '.join(str(e) for e in unreadable)
         + '. Move them aside to start afresh, or use a new workdir')
+
+  def _read(self, target, config_json, step, compare):
+    """:meth:`_restore_step`; a startup signal that cut the read stops the
+    run (Orbax re-raises the :class:`preemption.Interrupted` it was cut by
+    inside its own error, which is no fault of the checkpoint)."""
+    try:
+      return self._restore_step(target, config_json, step, compare)
+    except _Unreadable as e:
+      stop = preemption.startup_interruption()
+      if stop is not None:
+        raise stop from e
+      raise
 
   def _restore_step(self, target, config_json, step, compare):
     """The state at ``step``; ``_Unreadable`` if it cannot be read."""

@@ -92,8 +92,22 @@ def critical() -> Iterator[None]:
       raise Interrupted(signum, when)
 
 
+# The startup signals of the current startup block (see
+# :func:`startup_interruption`).
+_received: list[tuple[int, str]] = []
+
+
+def startup_interruption() -> Interrupted | None:
+  """The :class:`Interrupted` of the first signal of the current startup
+  block, or None. A library whose work the signal cut may re-raise it
+  wrapped in its own error (Orbax's restore does): the caller asks this to
+  tell such a failure from a real one."""
+  return Interrupted(*_received[0]) if _received else None
+
+
 def _interrupt(signum: int, when: str) -> None:
   """Raises :class:`Interrupted`, or holds it back inside :func:`critical`."""
+  _received.append((signum, when))
   if _critical['depth']:
     _critical['pending'].append((signum, when))
     return
@@ -199,11 +213,14 @@ def startup_signals(when: str = 'during startup (before the first step)'
 
   previous = {}
   if _main_thread():
+    _received.clear()
     previous = _install(_startup_signals(_sync_service()), handler)
   try:
     yield
   finally:
     _put_back(previous)
+    if _main_thread():
+      _received.clear()
 
 
 class PreemptionWatch:

@@ -308,3 +308,38 @@ def test_digests_of_another_kind_are_not_checked_nor_count_as_verified(
   assert ckpt.restore(exp.layout, cfg_lib.config_to_json(config))[0] == 12
   assert ckpt.verified == set()
   ckpt.close()
+
+
+def test_a_startup_signal_wrapped_by_the_restore_stops_the_run(
+    full_run, tmp_path, monkeypatch):
+  # A real SIGTERM to this process lands while Orbax reads a checkpoint;
+  # Orbax re-raises what cut it inside its own error (seen in a
+  # --local_processes run: "no readable checkpoint ... (interrupted by
+  # SIGTERM during startup ...)", then a hang). The run stops on the
+  # signal; no checkpoint is called unreadable or moved aside.
+  import os  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  from loc_opt.train import preemption  # pylint: disable=g-import-not-at-top
+  config = full_run[0]
+  workdir = _copy(full_run, tmp_path)
+  lines = []
+  exp, ckpt = _checkpointer(workdir, lines, config=config)
+  restore = ckpt.manager.restore
+
+  def cut(*args, **kwargs):
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(10_000_000):  # the handler runs between bytecodes
+        pass
+      return restore(*args, **kwargs)
+    except preemption.Interrupted as e:
+      raise RuntimeError(f'restore failed: {e}') from None  # context lost
+
+  monkeypatch.setattr(ckpt.manager, 'restore', cut)
+  with pytest.raises(preemption.Interrupted, match='SIGTERM'):
+    with preemption.startup_signals():
+      ckpt.restore(exp.layout, cfg_lib.config_to_json(config))
+  assert preemption.startup_interruption() is None  # cleared after
+  assert not lines and ckpt.all_steps() == [8, 12]
+  assert not (workdir / 'unreadable_checkpoints').exists()
+  ckpt.close()
