@@ -41,6 +41,14 @@ def _full_disk(e: BaseException) -> bool:
 
 def _exit(text: str, code: int) -> None:
   print(' '.join(text.split()), file=sys.stderr, flush=True)
+  if _several_processes():
+    # As for a signal (below): jax.distributed's shutdown barrier would
+    # wait for the other processes, which may be inside a collective that
+    # waits for this one (a restore that failed here, not there). Exiting
+    # at once lets the launcher, or the coordination service's heartbeat,
+    # stop them. The run's own blocks (lock, checkpoints) have closed.
+    sys.stdout.flush()
+    os._exit(code)
   sys.exit(code)
 
 
