@@ -480,17 +480,8 @@ def best_lr(rows) -> float:
   return min(rows, key=lambda r: r['final_eval_loss'])['learning_rate']
 
 
-def mean_sd(values) -> tuple[float, float | None]:
-  """Mean and sample standard deviation (None for one value)."""
-  n = len(values)
-  mean = sum(values) / n
-  if n < 2:
-    return mean, None
-  return mean, (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-
-
 def _loss_cell(values) -> str:
-  mean, sd = mean_sd(values)
+  mean, sd = _registry.mean_sd(values)
   return f'{mean:.4f}' + (f' +- {sd:.4f}' if sd is not None else '')
 
 
@@ -535,11 +526,11 @@ def qsr_budget_main(data: dict[str, Any]) -> str:
     twin = groups.get(f'constant_h{s["num_steps"] // (r["pair"] or 1)}', {})
     gap = paired = ''
     if r['rule'] == 'qsr' and twin:
-      loss, other = mean_sd(list(got.values()))[0], mean_sd(
-          list(twin.values()))[0]
+      loss = _registry.mean_sd(list(got.values()))[0]
+      other = _registry.mean_sd(list(twin.values()))[0]
       gap = f'{100 * (loss / other - 1):+.2f}%'
       diffs = [got[k] - twin[k] for k in got if k in twin]
-      mean, sd = mean_sd(diffs)
+      mean, sd = _registry.mean_sd(diffs)
       paired = (f'{mean:+.4f}' + (f' +- {sd:.4f}' if sd is not None else '')
                 + f' ({len(diffs)} seed{"s" * (len(diffs) != 1)})')
     each = ', '.join(f'{v:.4f}' for _, v in sorted(got.items()))

@@ -6,8 +6,6 @@ renderers of the sweep at the claims study's budget (registered in
 :data:`experiments._registry.RENDERERS`).
 """
 
-import math
-import statistics
 from typing import Any
 
 from experiments import _registry
@@ -87,12 +85,6 @@ def _settings(rows):
   return {k: out[k] for k in order}
 
 
-def _mean_std(losses):
-  mean = statistics.fmean(losses)
-  std = statistics.stdev(losses) if len(losses) > 1 else math.nan
-  return mean, std
-
-
 def budget_seeds(data: dict[str, Any]) -> str:
   """The settings run at several seeds or besides the search (``--also``):
   their seeds' final eval losses, mean +- sample std,
@@ -108,13 +100,13 @@ def budget_seeds(data: dict[str, Any]) -> str:
   lines = ['| method | M | outer lr | momentum | seeds | final eval loss '
            '(by seed) | mean +- std | vs DiLoCo |', '|---' * 8 + '|']
   for (method, m, lr, mom), losses in settings.items():
-    mean, std = _mean_std(losses)
-    spread = '' if math.isnan(std) else f' +- {std:.4f}'
+    mean, std = _registry.mean_sd(losses)
+    spread = '' if std is None else f' +- {std:.4f}'
     gap = ''
     if m in reference and (method, (lr, mom)) != ('diloco', reference[m][0]):
-      ref_mean, ref_std = _mean_std(reference[m][1])
+      ref_mean, ref_std = _registry.mean_sd(reference[m][1])
       gap = f'{100 * (mean / ref_mean - 1):+.2f}%'
-      if not math.isnan(ref_std) and ref_std > 0:
+      if ref_std:
         gap += f' ({(mean - ref_mean) / ref_std:+.1f} std)'
     lines.append(
         f'| {LABELS.get(method, method)} | {m} | {lr:g} | {mom:g} | '

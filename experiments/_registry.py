@@ -54,6 +54,15 @@ def format_bytes(n: float) -> str:
   return f'{n:.1f} TiB'
 
 
+def mean_sd(values) -> tuple[float, float | None]:
+  """Mean and sample standard deviation of seeds' values (None for one)."""
+  n = len(values)
+  mean = sum(values) / n
+  if n < 2:
+    return mean, None
+  return mean, (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+
+
 def format_time(seconds: float) -> str:
   """Seconds as ``'12.3 s'``, ``'4.5 min'`` or ``'1.23 h'``."""
   if seconds >= 3600:

@@ -172,9 +172,7 @@ def seed_stats(values: list[float]) -> tuple[float, ...]:
   """``(value,)`` for one value; ``(mean, sample std, n)`` for more."""
   if len(values) < 2:
     return tuple(values)
-  mean = sum(values) / len(values)
-  var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-  return (mean, var ** 0.5, len(values))
+  return (*_registry.mean_sd(values), len(values))
 
 
 def _mean_std(x: tuple[float, ...]) -> str:
