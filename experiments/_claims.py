@@ -25,6 +25,14 @@ SIZES = {
     '2M': {'num_layers': 4, 'd_model': 192, 'd_ff': 768, 'num_heads': 4},
     '8M': {'num_layers': 6, 'd_model': 320, 'd_ff': 1280, 'num_heads': 5},
 }
+
+
+def size_fields(size: str | None) -> dict[str, Any]:
+  """``{'model__<field>': value}`` of a :data:`SIZES` size, for
+  ``_runs.variant`` (none for ``None``: the config's model)."""
+  return {f'model__{k}': v for k, v in SIZES.get(size, {}).items()}
+
+
 # method -> (label, mesh workers, overrides)
 METHODS = {
     'dp': ('data-parallel', 1, {'outer__method': 'data_parallel'}),

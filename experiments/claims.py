@@ -142,7 +142,7 @@ def _config(base, size, method, knob, seed, inner=None, momentum=None):
   _, workers, overrides = METHODS[method]
   devices = (base.mesh.workers * base.mesh.data * base.mesh.fsdp
              * base.mesh.tensor)
-  fields = {f'model__{k}': v for k, v in SIZES[size].items()}
+  fields = _claims.size_fields(size)
   fields.update(overrides)
   simulate = _SIMULATE.value and workers > 1
   steps = _steps(size)

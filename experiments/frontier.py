@@ -33,7 +33,6 @@ DiLoCo fp32 and its cheapest payloads, then the other methods, then the
 tuning).
 """
 
-import copy
 import os
 
 from absl import app
@@ -82,10 +81,8 @@ def main(argv):
   del argv
   _runs.setup(_CPU_DEVICES.value)
   names = _runs.chosen(_RUNS.value, RUNS)
-  base = copy.deepcopy(_CONFIG.value)
+  base = _runs.variant(_CONFIG.value, **_claims.size_fields(_SIZE.value))
   base.progress = False
-  for field, value in _claims.SIZES[_SIZE.value].items():
-    base.model[field] = value
   outer_lrs = [float(v) for v in _OUTER_LRS.value or []]
   if any(v <= 0 for v in outer_lrs):
     raise app.UsageError(f'--outer_lrs must be positive, got {outer_lrs}')

@@ -115,9 +115,7 @@ def _base():
   """The config every run starts from, and its device count."""
   base = copy.deepcopy(_CONFIG.value)
   base.progress = False
-  if _SIZE.value:
-    base = _runs.variant(base, **{f'model__{k}': v for k, v in
-                                  _claims.SIZES[_SIZE.value].items()})
+  base = _runs.variant(base, **_claims.size_fields(_SIZE.value))
   devices = base.mesh.workers * base.mesh.data * base.mesh.fsdp
   devices *= base.mesh.tensor
   return base, devices

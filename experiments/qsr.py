@@ -99,12 +99,11 @@ def _base_config():
   if not 1 <= _BASE.value <= base.num_steps:
     raise app.UsageError(f'--base_period={_BASE.value} must be in '
                          '[1, num_steps]')
-  model = {f'model__{k}': v
-           for k, v in _claims.SIZES.get(_SIZE.value, {}).items()}
   base = _runs.variant(
       base, outer__sync_every=_BASE.value, mesh__workers=m,
       mesh__data=devices if simulate else devices // m,
-      mesh__simulate_workers=simulate, mesh__fsdp=1, mesh__tensor=1, **model)
+      mesh__simulate_workers=simulate, mesh__fsdp=1, mesh__tensor=1,
+      **_claims.size_fields(_SIZE.value))
   return base, devices
 
 

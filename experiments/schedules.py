@@ -102,9 +102,7 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   _runs.setup(_CPU_DEVICES.value)
   base = _CONFIG.value
-  if _SIZE.value:
-    base = _runs.variant(base, **{f'model__{k}': v for k, v in
-                                  _claims.SIZES[_SIZE.value].items()})
+  base = _runs.variant(base, **_claims.size_fields(_SIZE.value))
   plan = _plan(base)
   wd = _WORKDIR.value
   first = seeds[0]
