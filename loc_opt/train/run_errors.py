@@ -39,14 +39,17 @@ def _full_disk(e: BaseException) -> bool:
   return False
 
 
-def _exit(text: str, code: int) -> None:
-  print(' '.join(text.split()), file=sys.stderr, flush=True)
+def _exit(text: str | None, code: int) -> None:
+  """Prints ``text`` (none: no line) in one line and exits with ``code``."""
+  if text is not None:
+    print(' '.join(text.split()), file=sys.stderr, flush=True)
   if _several_processes():
-    # As for a signal (below): jax.distributed's shutdown barrier would
-    # wait for the other processes, which may be inside a collective that
-    # waits for this one (a restore that failed here, not there). Exiting
-    # at once lets the launcher, or the coordination service's heartbeat,
-    # stop them. The run's own blocks (lock, checkpoints) have closed.
+    # Not through jax.distributed's shutdown, whose barrier waits for the
+    # other processes: one may be inside a collective with this one (Orbax's
+    # restore barrier, after a signal or a failed restore here), which
+    # Python cannot interrupt. Exiting at once lets the launcher, or the
+    # coordination service's heartbeat, stop them. The run's own blocks
+    # (lock, checkpoints) have closed.
     sys.stdout.flush()
     os._exit(code)
   sys.exit(code)
@@ -76,17 +79,7 @@ def one_line(workdir: str | os.PathLike) -> Iterator[None]:
   try:
     yield
   except preemption.Interrupted as e:
-    if not _quiet_stop():
-      print(' '.join(str(e).split()), file=sys.stderr, flush=True)
-    if _several_processes():
-      # Not through jax.distributed's shutdown, whose barrier waits for
-      # the other processes: one may be inside a collective (Orbax's
-      # restore barrier) with this one, which Python cannot interrupt and
-      # which never ends. Nothing of the run is open: the lock is given
-      # back, nothing was written.
-      sys.stdout.flush()
-      os._exit(e.exit_code)
-    sys.exit(e.exit_code)
+    _exit(None if _quiet_stop() else str(e), e.exit_code)
   except (workdir_lock.WorkdirLockedError, faults.NonFiniteError,
           ckpt_lib.CheckpointError) as e:
     if os.environ.get(TRACEBACK_ENV, '') not in ('', '0'):
