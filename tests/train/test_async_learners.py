@@ -113,7 +113,9 @@ def scenario(tmp_path_factory):
     p.syncer()
     p.learner('a', 0)
     p.learner('b', 1)
-    p.wait('2 merges', lambda: len(p.merges()) >= 2)
+    # (b starts after a: under load a's payloads alone can make 2 merges)
+    p.wait('2 merges and a payload of b',
+           lambda: len(p.merges()) >= 2 and p.payloads('b'))
     # a learner dies: merges go on without it
     marks['b_seq_before'] = max(e['seq'] for e in p.payloads('b'))
     p.kill('b')
